@@ -1,0 +1,1 @@
+"""Triton kernels for gaugeopt (installed as ``gaugeopt.kernels``)."""
