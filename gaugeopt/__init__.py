@@ -25,7 +25,25 @@ from .structure import AttentionSite, find_attention, register_adapter, site_fro
 
 __version__ = "0.1.0"
 
+# Public names whose modules are loaded on first use (each imports only torch).
+_LAZY = {
+    "qk_drift": "gaugeopt.gaugefix",
+    "gauge_fix": "gaugeopt.gaugefix",
+    "GaugeProjected": "gaugeopt.optim",
+    "vertical_fraction": "gaugeopt.diagnostics",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gaugeopt' has no attribute {name!r}")
+
+
 __all__ = [
+    *_LAZY,
     "AttentionSite",
     "GaugeError",
     "LRMLinear",
