@@ -1,0 +1,1 @@
+"""Training recipes built on gaugeopt: data preparation, configs, Lightning training, the CPU demo."""
