@@ -228,7 +228,7 @@ def _hub_error(spec: SourceSpec, err: Exception) -> DataPrepError:
         f"{problem} ({reason}). To prepare OpenWebText without reaching the Hub from here, on a "
         "machine that can, run `python -c \"import datasets; datasets.load_dataset("
         f"'{spec.hub_name}', num_proc=8)['train'].save_to_disk('owt')\"` (any `datasets` version "
-        "that loads it; ~55 GB), copy the `owt` folder here and run `python -m recipes.data "
+        "that loads it; ~54 GB), copy the `owt` folder here and run `python -m recipes.data "
         "--source hf-dir owt --out data/openwebtext`. Any local copy of the text works too: "
         "`--source parquet --files DIR_OR_GLOB` (a `text` column) or `--source text --files "
         "DIR_OR_GLOB` (.txt files). If the dataset is already in this machine's datasets cache, "
