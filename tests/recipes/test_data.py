@@ -96,6 +96,22 @@ def test_gpt2_text_files_round_trip_and_eot_placement(text_corpus, hf_cache, tmp
     assert meta["train_tokens"] + meta["val_tokens"] == sum(len(enc.encode_ordinary(d)) + 1 for d in docs)
 
 
+@pytest.mark.parametrize("tokenizer", ["char", "gpt2"])
+def test_several_processes_write_the_same_bytes(tokenizer, text_corpus, hf_cache, tmp_path, request):
+    # The tokenizer is pickled into each worker; a tiktoken Encoding built from a file must survive it.
+    ranks = request.getfixturevalue("gpt2_ranks") if tokenizer == "gpt2" else None
+    folder, _ = text_corpus
+    outs = {}
+    for num_proc in (1, 2):
+        outs[num_proc] = tmp_path / f"out{num_proc}"
+        prepare(SourceSpec("text", inputs=(str(folder),)), outs[num_proc], tokenizer=tokenizer,
+                tokenizer_file=ranks, val_fraction=0.3, num_proc=num_proc,
+                cache_dir=f"{hf_cache}_{num_proc}")  # separate caches: no reuse across the runs
+    for split in ("train", "val"):
+        one, two = ((outs[n] / f"{split}.bin").read_bytes() for n in (1, 2))
+        assert one == two and len(one) > 0
+
+
 def test_doc_sep_splits_text_files_at_blank_lines(tmp_path, hf_cache):
     src = tmp_path / "book.txt"
     src.write_text("Para one,\nline two.\n\n\nPara two.\n  \nPara three.\n\n")
@@ -303,6 +319,17 @@ def test_openwebtext_without_hub_explains_how_to_supply_data_offline(tmp_path, h
     assert not (tmp_path / "owt" / "meta.json").exists()
 
 
+def test_openwebtext_loading_script_refusal_is_explained(tmp_path, monkeypatch):
+    import datasets
+
+    def refuse(*args, **kwargs):  # what datasets>=4 raises for a Hub repo with a loading script
+        raise RuntimeError("Dataset scripts are no longer supported, but found openwebtext.py")
+
+    monkeypatch.setattr(datasets, "load_dataset", refuse)
+    with pytest.raises(DataPrepError, match=r"still uses a loading script.*save_to_disk.*--source hf-dir"):
+        prepare(SourceSpec("openwebtext"), tmp_path / "owt")
+
+
 def test_cli_prints_the_offline_message_not_a_traceback(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_DATASETS_CACHE=str(tmp_path / "hf"))
@@ -438,3 +465,12 @@ def test_cli_help_lists_the_sources(capsys):
     out = capsys.readouterr().out
     for word in ("openwebtext", "parquet", "hf-dir", "builtin", "--tokenizer-file", "--force"):
         assert word in out
+
+
+@pytest.mark.parametrize("module", ["recipes.tokenizer", "recipes.corpus"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0
