@@ -198,8 +198,10 @@ def prepare(
     # The Hub source is hashed by its loaded fingerprint; file sources are hashed before loading.
     docs = load_documents(source, cache_dir, num_proc) if source.kind == "openwebtext" else None
     input_hash = content_hash(source, docs)
+    described = source.describe()
     settings = {
-        "source": source.describe(),
+        # Where the files are is not part of the recipe: moving a corpus must not force a rebuild.
+        "source": {k: v for k, v in described.items() if k not in ("files", "path")},
         "tokenizer": tokenizer,
         "val_fraction": val_fraction,
         "seed": seed,
@@ -248,7 +250,7 @@ def prepare(
         "val_documents": len(split["val"]),
         "val_fraction": val_fraction,
         "seed": seed,
-        "source": settings["source"],
+        "source": described,
         "input_hash": input_hash,
         "prep_hash": prep_hash,
         "seconds": round(time.perf_counter() - started, 2),

@@ -217,6 +217,14 @@ def test_rerun_is_a_no_op_until_an_input_changes(text_corpus, hf_cache, tmp_path
     assert calls == [], "an up-to-date output must not even load the documents"
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
 
+    # The same bytes in another folder are the same input.
+    moved = tmp_path / "moved"
+    folder.rename(moved)
+    assert prepare(SourceSpec("text", inputs=(str(moved),)), out, tokenizer="char",
+                   val_fraction=0.3, cache_dir=hf_cache)["prep_hash"] == first["prep_hash"]
+    assert calls == []
+    moved.rename(folder)
+
     # A different setting is a different output.
     third = prepare(spec, out, tokenizer="char", val_fraction=0.5, cache_dir=hf_cache)
     assert third["prep_hash"] != first["prep_hash"] and third["val_documents"] == 3
