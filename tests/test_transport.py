@@ -1,0 +1,303 @@
+"""Optimizer-state transport: the step after a gauge fix is the step the optimizer would take in
+the new coordinates, derived independently by running the optimizer from scratch on a
+reparameterised copy (autograd gives the transported gradients); policies for unknown
+optimizers; storage-layout factors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gaugeopt
+import zoo
+from gaugefix_helpers import add_drift
+from gaugeopt import GaugeError
+from gaugeopt.gaugefix import gauge_fix
+from gaugeopt.transport import (
+    classify_state, register_state_rule, rescale_param, rescale_state, state_rule, storage_factor,
+)
+
+STEPS = 3
+
+OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adamw_wd_amsgrad": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, nesterov=True),
+    "sgd_dampening": lambda ps: torch.optim.SGD(ps, lr=1e-1, momentum=0.9, dampening=0.2),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-1),
+}
+MODELS = [("gpt_rope_split_half_gqa", True), ("hf_gpt2", False), ("gpt_gqa", False)]
+
+
+def _batches(n, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, zoo.VOCAB, (zoo.B, zoo.T), generator=g),
+             torch.randint(0, zoo.VOCAB, (zoo.B, zoo.T), generator=g)) for _ in range(n)]
+
+
+def _loss(name, model, batch):
+    logits = zoo.forward_fn(name)(model, batch[0])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
+
+
+def _step(name, model, opt, batch):
+    opt.zero_grad(set_to_none=True)
+    _loss(name, model, batch).backward()
+    opt.step()
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def _load(model, values):
+    for n, p in model.named_parameters():
+        p.copy_(values[n])
+
+
+def _fixed_then_step(name, lrm, make_opt, **fix_kwargs):
+    """Train STEPS steps, gauge-fix (Q/K and V/O), take one more step. Returns the pieces the
+    oracle needs: the initial model, the pre-step snapshots, the observed factors, the result."""
+    case = zoo.build(name, lrm=lrm)
+    add_drift(case.model, lrm, vo=True)
+    model = case.model  # eval mode: no dropout, so both runs see the same function
+    initial = copy.deepcopy(model)
+    batches = _batches(STEPS + 1)
+    opt = make_opt(model.parameters())
+    snapshots = []
+    for t in range(STEPS):
+        snapshots.append(_params(model))
+        _step(name, model, opt, batches[t])
+    unfixed = _params(model)
+    report = gauge_fix(model, opt, vo=True, **fix_kwargs)
+    fixed = _params(model)
+    scale = {n: fixed[n] / unfixed[n] for n in fixed}  # the observed diagonal action s (1 where untouched)
+    assert sum(int((s != 1).any()) for s in scale.values()) >= 4
+    _step(name, model, opt, batches[STEPS])
+    return initial, batches, snapshots, scale, fixed, _params(model), report
+
+
+def _oracle(name, initial, make_opt, batches, snapshots, scale, fixed):
+    """The same optimizer run from scratch in the transported coordinates: at every past point
+    p_t the copy holds s ⊙ p_t, so autograd's gradient is the chain-rule gradient g_t / s, and the
+    optimizer builds its moments from those. Then one step from the fixed parameters."""
+    ref = copy.deepcopy(initial)
+    opt = make_opt(ref.parameters())
+    for t in range(STEPS):
+        _load(ref, {n: scale[n] * snapshots[t][n] for n in scale})
+        _step(name, ref, opt, batches[t])
+    _load(ref, fixed)
+    _step(name, ref, opt, batches[STEPS])
+    return _params(ref)
+
+
+def _max_rel(a, b, skip=None):
+    """Largest relative difference over all parameters; ``skip`` masks out entries (True = skip)."""
+    worst = 0.0
+    for n in a:
+        keep = ~skip[n] if skip and n in skip else slice(None)
+        worst = max(worst, gaugeopt.relative_change(a[n][keep], b[n][keep]))
+    return worst
+
+
+def _key_bias_mask(model):
+    """The K biases: ∂L/∂b_K ≡ 0 (softmax ignores a shift shared by all keys), so their gradient is
+    pure rounding noise that Adam normalises into O(lr) steps; two runs agree there only to the
+    noise level (~1e-10 relative), whatever the transport."""
+    masks = {}
+    for site in gaugeopt.find_attention(model):
+        ref = site.k.bias
+        if ref is not None:
+            m = masks.setdefault(ref.name, torch.zeros_like(ref.param, dtype=torch.bool))
+            ref.view(m).fill_(True)
+    return masks
+
+
+# every optimizer on the LRM model (1-D multipliers), the main ones on the plain layouts
+# (fused nn.Linear rows, transposed HF Conv1D columns)
+COMBOS = [(opt, *MODELS[0]) for opt in OPTIMIZERS] + [
+    (opt, *m) for m in MODELS[1:] for opt in ("adam", "adamw_wd_amsgrad", "sgd_nesterov")]
+
+
+@pytest.mark.parametrize("opt_name, name, lrm", COMBOS, ids=[f"{o}-{n}" + ("+lrm" if l else "") for o, n, l in COMBOS])
+def test_transport_equals_optimizer_in_new_coordinates(name, lrm, opt_name):
+    make = OPTIMIZERS[opt_name]
+    initial, batches, snaps, scale, fixed, result, report = _fixed_then_step(name, lrm, make)
+    expected = _oracle(name, initial, make, batches, snaps, scale, fixed)
+    noise = _key_bias_mask(initial)
+    assert _max_rel(expected, result, skip=noise) <= 1e-12
+    assert _max_rel(expected, result) <= 1e-8
+    assert report.transported and not report.reset and not report.left
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "adamw_wd_amsgrad", "sgd_nesterov"])
+def test_negative_control_stale_state_differs(opt_name):
+    """Without transport (paper 002's setting) the next step is measurably different: the
+    oracle comparison above would catch a missing rescale."""
+    make = OPTIMIZERS[opt_name]
+    initial, batches, snaps, scale, fixed, result, report = _fixed_then_step(
+        "gpt_rope_split_half_gqa", True, make, transport_state=False)
+    expected = _oracle("gpt_rope_split_half_gqa", initial, make, batches, snaps, scale, fixed)
+    assert _max_rel(expected, result) > 1e-6
+    assert not report.transported
+
+
+def test_negative_control_wrong_power_differs():
+    """A rule with the wrong power for exp_avg_sq (s instead of s²) fails the oracle."""
+    make = OPTIMIZERS["adam"]
+    good = dict(state_rule(torch.optim.Adam(torch.nn.Linear(1, 1).parameters())))
+    try:
+        register_state_rule(torch.optim.Adam, {**good, "exp_avg_sq": 1})
+        initial, batches, snaps, scale, fixed, result, _ = _fixed_then_step("hf_gpt2", False, make)
+    finally:
+        register_state_rule(torch.optim.Adam, good)
+    expected = _oracle("hf_gpt2", initial, make, batches, snaps, scale, fixed)
+    assert _max_rel(expected, result) > 1e-6
+
+
+def test_rescale_state_formulas():
+    p = torch.nn.Parameter(torch.tensor([[1.0, -2.0], [3.0, 0.5]], dtype=torch.float64))
+    opt = torch.optim.AdamW([p], amsgrad=True)
+    p.grad = torch.tensor([[0.5, -1.0], [2.0, 0.25]], dtype=torch.float64)
+    opt.step()
+    st = {k: v.clone() for k, v in opt.state[p].items()}
+    s = torch.tensor([[2.0], [0.25]], dtype=torch.float64)  # per row, broadcast over columns
+    assert rescale_state(opt, p, s) == "transported"
+    new = opt.state[p]
+    assert torch.equal(new["exp_avg"], st["exp_avg"] / s)
+    assert torch.equal(new["exp_avg_sq"], st["exp_avg_sq"] / s**2)
+    assert torch.equal(new["max_exp_avg_sq"], st["max_exp_avg_sq"] / s**2)
+    assert torch.equal(new["step"], st["step"])
+
+
+class Sign(torch.optim.Optimizer):
+    """A toy optimizer with a momentum the library does not know (signSGD with momentum)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                buf = st.setdefault("buf", torch.zeros_like(p))
+                buf.mul_(0.9).add_(p.grad)
+                p.add_(buf.sign(), alpha=-group["lr"])
+
+
+def _trained(make_opt):
+    case = zoo.build("gpt_gqa", lrm=True)
+    add_drift(case.model, True)
+    opt = make_opt(case.model.parameters())
+    _step("gpt_gqa", case.model, opt, _batches(1)[0])
+    return case.model, opt
+
+
+def test_unknown_optimizer_error_names_options_and_writes_nothing():
+    model, opt = _trained(Sign)
+    before = _params(model)
+    with pytest.raises(GaugeError) as err:
+        gauge_fix(model, opt)
+    msg = str(err.value)
+    for fragment in ("Sign", "unknown_state='reset'", "'leave'", "transport_state=False", "register_state_rule"):
+        assert fragment in msg
+    after = _params(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)  # refused before the first write
+
+
+def test_unknown_optimizer_reset_and_leave():
+    model, opt = _trained(Sign)
+    touched = {id(p) for s in gaugeopt.find_attention(model) for p in (s.q.row_mult.param, s.k.row_mult.param)}
+    bufs = {id(p): opt.state[p]["buf"].clone() for p in model.parameters()}
+    report = gauge_fix(model, opt, unknown_state="leave")
+    assert len(report.left) == 4 and not report.transported
+    assert all(torch.equal(opt.state[p]["buf"], bufs[id(p)]) for p in model.parameters())
+    report = gauge_fix(model, opt, unknown_state="reset")
+    assert len(report.reset) == 4
+    for p in model.parameters():
+        assert (p not in opt.state) == (id(p) in touched)
+    opt.step()  # the optimizer re-initialises the reset state lazily
+    assert gauge_fix(model, opt, transport_state=False).transported == []
+
+
+def test_unknown_state_key_on_a_known_class():
+    class AdamPlus(torch.optim.Adam):
+        @torch.no_grad()
+        def step(self, closure=None):
+            super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["ema"] = p.detach().clone()
+
+    model, opt = _trained(lambda ps: AdamPlus(ps))
+    with pytest.raises(GaugeError, match=r"AdamPlus keeps state keys \['ema'\]"):
+        gauge_fix(model, opt)
+
+
+def test_registered_rule_and_wrapper_unwrapping():
+    class Wrapper:  # like Lightning's LightningOptimizer
+        def __init__(self, optimizer):
+            self._optimizer = optimizer
+
+    class Sign2(Sign):
+        pass
+
+    register_state_rule(Sign2, {"buf": 1})
+    model, opt = _trained(Sign2)
+    p = gaugeopt.find_attention(model)[0].q.row_mult.param
+    buf = opt.state[p]["buf"].clone()
+    old = p.detach().clone()
+    report = gauge_fix(model, Wrapper(opt))
+    assert len(report.transported) == 4
+    torch.testing.assert_close(opt.state[p]["buf"], buf * old / p.detach(), rtol=1e-14, atol=0)
+    with pytest.raises(GaugeError, match="powers must be 0, 1 or 2"):
+        register_state_rule(Sign2, {"buf": 3})
+    with pytest.raises(GaugeError, match="wraps none"):
+        classify_state(object(), p)
+
+
+def test_no_state_yet_is_fine():
+    case = zoo.build("gpt", lrm=True)
+    opt = torch.optim.Adam(case.model.parameters())
+    report = gauge_fix(case.model, opt)
+    assert report.transported == [] and report.reset == [] and len(opt.state) == 0
+
+
+@pytest.mark.parametrize("name", ["hf_gpt2", "gpt_gqa", "torch_mha"])
+def test_storage_factor_layout(name):
+    """A canonical per-channel factor lands on the right rows of the stored (possibly fused,
+    possibly transposed) parameter, and nowhere else."""
+    case = zoo.build(name)
+    site = gaugeopt.find_attention(case.model)[0]
+    g = torch.Generator().manual_seed(0)
+    for proj, role in (("q", "weight"), ("k", "weight"), ("k", "bias"), ("o", "weight")):
+        ref = getattr(getattr(site, proj), role)
+        if ref is None:
+            continue
+        full_role = f"{proj}.{role}"
+        heads, width = (site.h, site.d_v) if proj == "o" else (ref.shape[0], ref.shape[1])
+        f = torch.rand(heads, width, generator=g, dtype=torch.float64) + 0.5
+        p = ref.param
+        old = p.detach().clone()
+        view_before = ref.view(old).clone()
+        with torch.no_grad():
+            rescale_param(p, storage_factor(ref, full_role, f))
+        if proj == "o":
+            expected = view_before * f[None]
+        elif role == "weight":
+            expected = view_before * f[..., None]
+        else:
+            expected = view_before * f
+        assert torch.equal(ref.get(), expected)
+        mask = torch.ones_like(old, dtype=torch.bool)
+        ref.view(mask).fill_(False)
+        assert torch.equal(p.detach()[mask], old[mask])  # the other rows of a fused parameter
+        with torch.no_grad():
+            p.copy_(old)
