@@ -1,1 +1,28 @@
-"""Triton kernels for gaugeopt (installed as ``gaugeopt.kernels``)."""
+"""Triton kernels for gaugeopt (installed as ``gaugeopt.kernels``), each beside its torch reference.
+
+* :func:`fused_gauge_fix` — :func:`gaugeopt.gauge_fix` with one fused launch on CUDA
+  (:mod:`.gaugefix_triton`; reference :mod:`.gaugefix_reference`).
+* :mod:`.dispatch` — which implementation runs (``backend=``, ``GAUGEOPT_BACKEND``), and why.
+
+Importing this package imports neither Triton nor a kernel module; they load on first use.
+Design notes, dispatch rules and benchmarks: ``docs/kernels.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "fused_gauge_fix": "gaugeopt.kernels.ops",
+    "try_fused_gauge_fix": "gaugeopt.kernels.ops",
+    "dispatch": "gaugeopt.kernels.dispatch",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        mod = importlib.import_module(_LAZY[name])
+        return mod if mod.__name__.endswith(name) else getattr(mod, name)
+    raise AttributeError(f"module 'gaugeopt.kernels' has no attribute {name!r}")

@@ -1,0 +1,110 @@
+"""Public entry points that route each operation to its Triton kernel or its torch reference.
+
+Each function takes the arguments of the torch operation plus ``backend`` (``"auto"``,
+``"triton"`` or ``"torch"``; see :mod:`gaugeopt.kernels.dispatch`), decides once per call and
+records why (:func:`gaugeopt.kernels.dispatch.explain`).
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.kernels import dispatch, fused_gauge_fix
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)))
+    >>> report = fused_gauge_fix(model)              # CPU tensors: the torch reference runs
+    >>> dispatch.last_decision("gauge_fix").backend
+    'torch'
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch.nn as nn
+
+from gaugeopt.drift import PairPlan, plan_pairs
+from gaugeopt.errors import GaugeError
+from gaugeopt.gaugefix import GaugeFixReport
+from gaugeopt.structure import AttentionSite, find_attention
+
+from . import dispatch
+
+__all__ = ["fused_gauge_fix", "try_fused_gauge_fix"]
+
+
+def _gaugefix_unsupported(plans, optimizer):
+    def check() -> str | None:
+        from .gaugefix_triton import unsupported_reason
+
+        return unsupported_reason(plans, optimizer)
+
+    return check
+
+
+def try_fused_gauge_fix(
+    plans: Sequence[PairPlan],
+    optimizer=None,
+    *,
+    backend: str = "auto",
+    unknown_state: str = "error",
+    product_decay: float | None = None,
+    product_max: float | None = None,
+    eps: float = 1e-12,
+) -> GaugeFixReport | None:
+    """Run the fused GaugeFix kernel on ``plans`` if the dispatch picks Triton, else return ``None``.
+
+    The hook for :func:`gaugeopt.gauge_fix`: call it right after planning and fall through to
+    the torch body when it returns ``None``. ``optimizer=None`` means no state transport.
+
+    Raises:
+        GaugeError: Triton was forced (argument or ``GAUGEOPT_BACKEND``) and cannot run.
+    """
+    plans = list(plans)
+    device = plans[0].a.members[0][1].param.device if plans else None
+    if device is None:
+        raise GaugeError("try_fused_gauge_fix: no plans (the model has no attention site to fix)")
+    d = dispatch.choose("gauge_fix", device, backend=backend, module="gaugefix_triton",
+                        unsupported=_gaugefix_unsupported(plans, optimizer))
+    if d.backend == "torch":
+        return None
+    from .gaugefix_triton import gauge_fix_triton
+
+    return gauge_fix_triton(plans, optimizer, unknown_state=unknown_state, product_decay=product_decay,
+                            product_max=product_max, eps=eps)
+
+
+def fused_gauge_fix(
+    model: nn.Module | None,
+    optimizer=None,
+    granularity: str = "auto",
+    *,
+    sites: Sequence[AttentionSite] | None = None,
+    vo: bool = False,
+    vo_granularity: str = "head",
+    mode: str = "auto",
+    transport_state: bool = True,
+    unknown_state: str = "error",
+    product_decay: float | None = None,
+    product_max: float | None = None,
+    eps: float = 1e-12,
+    backend: str = "auto",
+) -> GaugeFixReport:
+    """:func:`gaugeopt.gauge_fix` with the fused Triton kernel where the dispatch allows it.
+
+    Same arguments and report as :func:`gaugeopt.gauge_fix`, plus ``backend``. On the torch
+    path it *is* :func:`gaugeopt.gauge_fix`; on the Triton path one launch per dtype group
+    does the statistics, factors, parameter and state rescale of every layer.
+    """
+    if model is None and sites is None:
+        raise GaugeError("fused_gauge_fix: pass a model or sites=find_attention(model)")
+    sites = find_attention(model) if sites is None else list(sites)
+    kinds = ("qk", "vo") if vo else ("qk",)
+    plans = plan_pairs(sites, kinds=kinds, granularity=granularity, vo_granularity=vo_granularity, mode=mode)
+    report = try_fused_gauge_fix(plans, optimizer if transport_state else None, backend=backend,
+                                 unknown_state=unknown_state, product_decay=product_decay,
+                                 product_max=product_max, eps=eps)
+    if report is not None:
+        return report
+    from .gaugefix_reference import gauge_fix_reference
+
+    return gauge_fix_reference(None, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity,
+                               mode=mode, transport_state=transport_state, unknown_state=unknown_state,
+                               product_decay=product_decay, product_max=product_max, eps=eps)

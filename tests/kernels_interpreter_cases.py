@@ -1,0 +1,181 @@
+"""Kernel cases run under the Triton interpreter (CPU), each against its torch reference.
+
+Not collected on its own (the file name does not start with ``test_``):
+``tests/test_kernels_interpreter.py`` runs it in a fresh process with ``TRITON_INTERPRET=1``,
+because the variable must be set before any kernel is decorated, and another test module of
+the same pytest process may already have imported the kernel modules for the GPU.
+Run it by hand with ``TRITON_INTERPRET=1 python -m pytest tests/kernels_interpreter_cases.py``.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # never run these on compiled kernels by accident
+    raise RuntimeError("tests/kernels_interpreter_cases.py needs TRITON_INTERPRET=1 set before it is imported")
+
+import pytest
+import torch
+
+import gaugeopt
+import zoo
+from gaugeopt.drift import plan_pairs
+from gaugeopt.kernels import dispatch, fused_gauge_fix
+from gaugeopt.kernels import gaugefix_triton as gft
+from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
+from kernel_helpers import TOL, assert_same_fix, odd_gpt, train_steps, twin
+
+DTYPES = [torch.float32, torch.float64]
+ZOO = [
+    ("gpt_gqa", False),  # plain rows + biases, GQA n_rep = 2, nn.Linear (columns contiguous)
+    ("gpt_rope_partial_split_half", False),  # plane slots, partial rotary, GQA
+    ("hf_gpt2", False),  # Conv1D in×out storage, fused c_attn (channels contiguous)
+    ("hf_qwen2", False),  # q/k/v biases, GQA
+    ("torch_mha_kdim", False),  # separate K input width (K rows shorter than Q rows), d_k = 6
+    ("gpt", True),  # LRM multipliers, per head
+    ("gpt_rope_split_half_gqa", True),  # multipliers, RoPE planes, GQA
+    ("hf_gpt2", True),
+    ("hf_llama", True),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_env_override(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+
+
+def _setup(model, opt_cls=torch.optim.AdamW, **opt_kw):
+    opt = opt_cls(model.parameters(), lr=1e-2, **opt_kw)
+    train_steps(model, opt)
+    return opt
+
+
+def _both(model, opt, **kw):
+    """(reference model, opt, report), (Triton model, opt, report) from the same starting point."""
+    m2, o2 = twin(model, opt)
+    r1 = gauge_fix_reference(model, opt, **kw)
+    r2 = fused_gauge_fix(m2, o2, backend="triton", **kw)
+    assert dispatch.last_decision("gauge_fix").backend == "triton"
+    return (model, opt, r1), (m2, o2, r2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,lrm", ZOO, ids=[n + ("+lrm" if l else "") for n, l in ZOO])
+def test_fused_gauge_fix_matches_the_torch_core(name, lrm, dtype):
+    model = zoo.build(name, seed=1, lrm=lrm, dtype=dtype).model
+    opt = _setup(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    (m1, o1, r1), (m2, o2, r2) = _both(model, opt)
+    assert_same_fix(m1, o1, r1, m2, o2, r2, dtype)
+    # not vacuous: the fix moved the Q/K tensors and balanced them
+    assert r2.max_drift_before > 1e-2 and r2.heads_fixed == r1.heads_fixed > 0
+    assert any(not torch.equal(before[n], p) for n, p in m2.named_parameters())
+    assert gaugeopt.qk_drift(m2, granularity="auto") < (1e-5 if dtype == torch.float32 else 1e-10)
+
+
+ODD = [  # (lrm, rope, granularity, dtype): the masks do not depend on the dtype, the rounding does
+    (False, "split_half", "plane", torch.float64), (False, "none", "channel", torch.float32),
+    *[(True, r, g, dt) for r, g in (("split_half", "plane"), ("split_half", "head"), ("none", "channel")) for dt in DTYPES],
+]
+
+
+@pytest.mark.parametrize("lrm,rope,granularity,dtype", ODD, ids=lambda v: str(v).replace("torch.", ""))
+def test_odd_shapes_exercise_every_mask(monkeypatch, lrm, rope, granularity, dtype):
+    """d_k = 10 in 16-channel tiles, 37 (+1 bias) columns in 16-column tiles, n_rep = 3, V/O too."""
+    monkeypatch.setattr(gft, "_TILE_ELEMS", 256)  # BLOCK_C = 16 -> BLOCK_X = 16: three column tiles, the last partial
+    model = odd_gpt(lrm=lrm, dtype=dtype, rope=rope)
+    opt = _setup(model, torch.optim.Adam, amsgrad=True)  # exp_avg, exp_avg_sq and max_exp_avg_sq
+    (m1, o1, r1), (m2, o2, r2) = _both(model, opt, granularity=granularity, vo=True, vo_granularity="channel")
+    assert_same_fix(m1, o1, r1, m2, o2, r2, dtype)
+    assert r2.max_drift_before > 1e-2
+
+
+@pytest.mark.parametrize("opt_cls,kw", [(torch.optim.SGD, dict(momentum=0.9)), (torch.optim.Adagrad, {}),
+                                        (torch.optim.NAdam, {})], ids=["sgd", "adagrad", "nadam"])
+def test_state_rules_of_other_optimizers(opt_cls, kw):
+    model = odd_gpt(lrm=False)
+    opt = _setup(model, opt_cls, **kw)
+    (m1, o1, r1), (m2, o2, r2) = _both(model, opt, vo=True)
+    assert_same_fix(m1, o1, r1, m2, o2, r2, torch.float64)
+    assert r2.transported
+
+
+class _Unknown(torch.optim.SGD):
+    """An SGD subclass keeping an extra per-coordinate buffer no rule covers."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["trace"] = torch.ones_like(p)
+
+
+def test_unknown_state_policies():
+    gaugeopt.transport.register_state_rule(_Unknown, {"momentum_buffer": 1})  # rule lacks "trace"
+    model = odd_gpt(lrm=True)
+    opt = _setup(model, _Unknown, momentum=0.9)
+    m2, o2 = twin(model, opt)
+    before = [p.detach().clone() for p in m2.parameters()]
+    with pytest.raises(gaugeopt.GaugeError, match="trace"):
+        fused_gauge_fix(m2, o2, backend="triton")
+    assert all(torch.equal(a, p) for a, p in zip(before, m2.parameters())), "wrote before refusing"
+    for policy in ("reset", "leave"):
+        (m1, o1, r1), (m2, o2, r2) = _both(*twin(model, opt), unknown_state=policy)
+        assert_same_fix(m1, o1, r1, m2, o2, r2, torch.float64)
+        assert (r2.reset if policy == "reset" else r2.left)
+
+
+@pytest.mark.parametrize("opts", [dict(product_decay=0.1), dict(product_max=0.05), dict(product_decay=0.2, product_max=0.5),
+                                  dict(transport_state=False), dict(mode="plain"), dict(eps=1e-3)],
+                         ids=["decay", "max", "decay+max", "no-transport", "plain-on-lrm", "eps"])
+def test_magnitude_control_and_options(opts):
+    model = odd_gpt(lrm=True, dtype=torch.float32)
+    opt = _setup(model)
+    (m1, o1, r1), (m2, o2, r2) = _both(model, opt, vo=True, **opts)
+    assert_same_fix(m1, o1, r1, m2, o2, r2, torch.float32)
+
+
+def test_generic_layout_matches(monkeypatch):
+    """The stride-generic tile (no contiguous axis assumed) gives the same results (Conv1D strides)."""
+    monkeypatch.setattr(gft, "_layout_of", lambda descs: gft._GENERIC)
+    model = zoo.build("hf_gpt2", seed=2, dtype=torch.float64).model
+    opt = _setup(model)
+    (m1, o1, r1), (m2, o2, r2) = _both(model, opt, vo=True)
+    assert_same_fix(m1, o1, r1, m2, o2, r2, torch.float64)
+
+
+def test_one_launch_per_dtype_group(monkeypatch):
+    """Two layers in different dtypes: two launches, each over its own layers, still exact."""
+    launches = []
+    real = gft._run
+    monkeypatch.setattr(gft, "_run", lambda pk, *a: launches.append(len(pk.members)) or real(pk, *a))
+    model = odd_gpt(lrm=True, dtype=torch.float64)
+    opt = _setup(model)
+    (m1, o1, r1), (m2, o2, r2) = _both(model, opt, vo=True)
+    assert_same_fix(m1, o1, r1, m2, o2, r2, torch.float64)
+    assert launches == [4]  # 2 layers x (Q/K, V/O) in one launch
+    launches.clear()
+    mixed = odd_gpt(lrm=True, dtype=torch.float64)
+    mixed.transformer.h[1].to(torch.float32)
+    opt = _setup(mixed)
+    (m1, o1, r1), (m2, o2, r2) = _both(mixed, opt)
+    assert launches == [1, 1]
+    for (n, a), b in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(b, a, **TOL[a.dtype], msg=lambda m: f"{n}: {m}")
+
+
+def test_environment_variable_forces_triton(monkeypatch):
+    model = odd_gpt(lrm=True)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    fused_gauge_fix(model)
+    d = dispatch.last_decision("gauge_fix")
+    assert (d.backend, d.source) == ("triton", "environment") and "interpreter" in d.reason
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    fused_gauge_fix(model)
+    assert dispatch.last_decision("gauge_fix").backend == "torch"  # auto on CPU: the reference
+
+
+def test_docstring_example_runs():
+    failures, tried = doctest.testmod(gft, verbose=False)
+    assert tried > 0 and failures == 0

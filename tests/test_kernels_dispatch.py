@@ -1,0 +1,119 @@
+"""The kernel dispatch: argument and environment overrides, auto rules, errors that say why.
+
+These run in the main test process without launching a kernel (a CPU machine has no GPU, and
+``TRITON_INTERPRET`` is not set here): the interpreter cases are in
+``tests/kernels_interpreter_cases.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+import subprocess
+
+import pytest
+import torch
+
+import gaugeopt
+from gaugeopt.kernels import dispatch, fused_gauge_fix
+from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
+from kernel_helpers import assert_same_fix, odd_gpt, train_steps, twin
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_argument_and_environment_choose_the_backend(monkeypatch):
+    assert dispatch.requested_backend() == ("auto", "default")
+    assert dispatch.requested_backend("torch") == ("torch", "argument")
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
+    assert dispatch.requested_backend() == ("torch", "environment")
+    assert dispatch.requested_backend("triton") == ("triton", "argument")  # the argument wins
+    monkeypatch.setenv(dispatch.ENV_VAR, " Triton ")
+    assert dispatch.requested_backend() == ("triton", "environment")
+
+
+def test_bad_values_are_refused(monkeypatch):
+    with pytest.raises(gaugeopt.GaugeError, match=r"backend='cuda' is not one of"):
+        dispatch.choose("gauge_fix", CPU, backend="cuda")
+    monkeypatch.setenv(dispatch.ENV_VAR, "fast")
+    with pytest.raises(gaugeopt.GaugeError, match="GAUGEOPT_BACKEND='fast'"):
+        dispatch.choose("gauge_fix", CPU)
+
+
+def test_auto_on_cpu_takes_torch_and_says_why():
+    d = dispatch.choose("gauge_fix", CPU)
+    assert (d.backend, d.requested, d.source) == ("torch", "auto", "default")
+    assert "cpu" in d.reason
+    assert "gauge_fix: torch" in dispatch.explain("gauge_fix") and dispatch.last_decision("gauge_fix") == d
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
+    pytest.importorskip("triton")
+    model = odd_gpt(lrm=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(gaugeopt.GaugeError, match="backend='triton'.*TRITON_INTERPRET=1 is not set"):
+        fused_gauge_fix(model, backend="triton")
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    with pytest.raises(gaugeopt.GaugeError, match="GAUGEOPT_BACKEND=triton.*cpu"):
+        fused_gauge_fix(model)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "nothing may be written"
+
+
+def test_interpreter_set_after_import_is_an_error(monkeypatch):
+    pytest.importorskip("triton")
+    import gaugeopt.kernels.gaugefix_triton  # noqa: F401  (decorated for the GPU: the variable is unset)
+
+    if dispatch.kernels_interpreted("gaugefix_triton"):
+        pytest.skip("this process imported the kernels under the interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(gaugeopt.GaugeError, match="imported before TRITON_INTERPRET=1"):
+        dispatch.choose("gauge_fix", CPU, backend="triton", module="gaugefix_triton")
+
+
+def test_missing_triton_is_an_error_when_forced_and_a_reason_otherwise(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_version", lambda: None)
+    with pytest.raises(gaugeopt.GaugeError, match="triton is not importable; install it"):
+        dispatch.choose("gauge_fix", torch.device("cuda"), backend="triton")
+    d = dispatch.choose("gauge_fix", torch.device("cuda"))
+    assert d.backend == "torch" and "not importable" in d.reason
+
+
+def test_unsupported_inputs_fall_back_under_auto_and_raise_when_forced(monkeypatch):
+    monkeypatch.setattr(dispatch, "triton_version", lambda: "3.x")
+    why = lambda: "x is a DTensor"  # noqa: E731
+    d = dispatch.choose("gauge_fix", torch.device("cuda"), unsupported=why)
+    assert (d.backend, d.reason) == ("torch", "x is a DTensor")
+    with pytest.raises(gaugeopt.GaugeError, match="DTensor"):
+        dispatch.choose("gauge_fix", torch.device("cuda"), backend="triton", unsupported=why)
+    d = dispatch.choose("gauge_fix", torch.device("cuda"))
+    assert d.backend == "triton" and "CUDA tensors" in d.reason
+    with pytest.raises(gaugeopt.GaugeError, match="written for CUDA"):
+        dispatch.choose("gauge_fix", torch.device("meta"), backend="triton")
+
+
+def test_torch_path_is_the_core_itself():
+    """backend='torch' (and auto on CPU) is gauge_fix, bit for bit."""
+    model = odd_gpt(lrm=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_steps(model, opt)
+    m2, o2 = twin(model, opt)
+    m3, o3 = twin(model, opt)
+    r1 = gaugeopt.gauge_fix(model, opt, vo=True)
+    r2 = fused_gauge_fix(m2, o2, vo=True, backend="torch")
+    r3 = gauge_fix_reference(m3, o3, vo=True)
+    for m, o, r in ((m2, o2, r2), (m3, o3, r3)):
+        assert_same_fix(model, opt, r1, m, o, r, torch.float64)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m.parameters()))
+    assert dispatch.last_decision("gauge_fix").backend == "torch"
+
+
+def test_importing_gaugeopt_and_kernels_does_not_import_triton():
+    code = ("import sys, gaugeopt, gaugeopt.kernels; from gaugeopt.kernels import dispatch, fused_gauge_fix; "
+            "import gaugeopt.kernels.ops; print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
