@@ -2,6 +2,9 @@
 
 * :func:`fused_gauge_fix` — :func:`gaugeopt.gauge_fix` with one fused launch on CUDA
   (:mod:`.gaugefix_triton`; reference :mod:`.gaugefix_reference`).
+* :func:`fused_vertical`, :func:`fused_project` — the closed-form projection sectors
+  (``lrm_qk``, ``lrm_vo``, full-rotary ``qk``) of :class:`gaugeopt.projection.GaugeProjector`
+  in one launch (:mod:`.projection_triton`; reference :mod:`.projection_reference`).
 * :mod:`.dispatch` — which implementation runs (``backend=``, ``GAUGEOPT_BACKEND``), and why.
 
 Importing this package imports neither Triton nor a kernel module; they load on first use.
@@ -15,6 +18,8 @@ import importlib
 _LAZY = {
     "fused_gauge_fix": "gaugeopt.kernels.ops",
     "try_fused_gauge_fix": "gaugeopt.kernels.ops",
+    "fused_vertical": "gaugeopt.kernels.ops",
+    "fused_project": "gaugeopt.kernels.ops",
     "dispatch": "gaugeopt.kernels.dispatch",
 }
 

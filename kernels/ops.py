@@ -16,8 +16,9 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
+import torch
 import torch.nn as nn
 
 from gaugeopt.drift import PairPlan, plan_pairs
@@ -27,7 +28,7 @@ from gaugeopt.structure import AttentionSite, find_attention
 
 from . import dispatch
 
-__all__ = ["fused_gauge_fix", "try_fused_gauge_fix"]
+__all__ = ["fused_gauge_fix", "try_fused_gauge_fix", "fused_vertical", "fused_project"]
 
 
 def _gaugefix_unsupported(plans, optimizer):
@@ -108,3 +109,65 @@ def fused_gauge_fix(
     return gauge_fix_reference(None, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity,
                                mode=mode, transport_state=transport_state, unknown_state=unknown_state,
                                product_decay=product_decay, product_max=product_max, eps=eps)
+
+
+# ---------------------------------------------------------------------- projection (closed forms)
+def _projection_choice(model, tensors, sector, sites, backend):
+    sites = find_attention(model) if sites is None else list(sites)
+    if not isinstance(tensors, Mapping):
+        raise GaugeError(f"tensors must be a {{name: tensor}} mapping (names of model.named_parameters()), got {type(tensors).__name__}")
+    device = next(iter(model.parameters())).device
+
+    def check() -> str | None:
+        from .projection_triton import unsupported_reason
+
+        return unsupported_reason(sites, sector, tensors)
+
+    return sites, dispatch.choose(f"project_{sector}", device, backend=backend, module="projection_triton", unsupported=check)
+
+
+def fused_vertical(
+    model: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    sector: str,
+    *,
+    sites: Sequence[AttentionSite] | None = None,
+    rtol: float | None = None,
+    backend: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """Vertical part of ``tensors`` in one closed-form ``sector`` (``"lrm_qk"``, ``"lrm_vo"``,
+    or ``"qk"`` under full-rotary RoPE): ``GaugeProjector(model, sectors=(sector,)).vertical``,
+    fused into one launch on CUDA. Other sectors (dense Sylvester) always take torch under
+    ``"auto"`` and are refused when Triton is forced."""
+    sites, d = _projection_choice(model, tensors, sector, sites, backend)
+    if d.backend == "triton":
+        from .projection_triton import vertical_triton
+
+        return vertical_triton(sites, sector, tensors, rtol=rtol)
+    from .projection_reference import vertical_reference
+
+    return vertical_reference(model, tensors, sector, sites=sites, rtol=rtol)
+
+
+def fused_project(
+    model: nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    sector: str,
+    *,
+    sites: Sequence[AttentionSite] | None = None,
+    rtol: float | None = None,
+    inplace: bool = False,
+    backend: str = "auto",
+) -> dict[str, torch.Tensor]:
+    """Horizontal part ``u − u_vert`` of ``tensors`` in one closed-form ``sector``:
+    ``GaugeProjector(model, sectors=(sector,)).project(tensors, inplace=inplace)`` (a dict with
+    every input key plus the sector's parameters)."""
+    sites, d = _projection_choice(model, tensors, sector, sites, backend)
+    if d.backend == "triton":
+        from .projection_triton import vertical_triton
+
+        out = vertical_triton(sites, sector, tensors, rtol=rtol, subtract=True, inplace=inplace)
+        return {**tensors, **out}
+    from .projection_reference import project_reference
+
+    return project_reference(model, tensors, sector, sites=sites, rtol=rtol, inplace=inplace)

@@ -29,12 +29,13 @@ TOL = {
 
 
 def odd_gpt(*, lrm: bool, dtype: torch.dtype = torch.float64, seed: int = 0, rope: str = "split_half",
-            bias: bool = True) -> torch.nn.Module:
+            rotary_dim: int | None = 6, bias: bool = True) -> torch.nn.Module:
     """6 query heads in 2 KV groups (n_rep = 3), d_k = 10 (not a power of two), d = 37 (odd),
-    partial split-half RoPE over 6 of the 10 channels (3 planes + 4 single-channel slots)."""
+    by default partial split-half RoPE over 6 of the 10 channels (3 planes + 4 single-channel
+    slots); ``rotary_dim=None`` rotates all 10 (5 planes)."""
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=29, block_size=16, n_layer=2, n_head=6, n_kv_head=2, head_dim=10, n_embd=37,
-                    rope=rope, rotary_dim=6 if rope != "none" else None, bias=bias)
+                    rope=rope, rotary_dim=rotary_dim if rope != "none" else None, bias=bias)
     model = GPT(cfg)
     if lrm:
         gaugeopt.apply_lrm(model)
@@ -88,3 +89,20 @@ def assert_same_fix(m1, o1, r1, m2, o2, r2, dtype: torch.dtype) -> None:
             x, y = getattr(a, attr), getattr(b, attr)
             assert x.shape == y.shape and y.dtype == acc, (attr, x.shape, y.shape, y.dtype)
             torch.testing.assert_close(y.cpu(), x.cpu(), **TOL[acc], msg=lambda m: f"{a.name} {a.kind} {attr}: {m}")
+
+
+def random_field(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:
+    """``{name: u}`` with standard normal entries in each parameter's dtype."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) for n, p in model.named_parameters()}
+
+
+def assert_same_fields(ref: dict, got: dict, dtype: torch.dtype, what: str = "") -> None:
+    """Same keys, dtypes and values within :data:`TOL` relative to each tensor's largest entry."""
+    assert sorted(ref) == sorted(got), (sorted(ref), sorted(got))
+    for n in ref:
+        assert got[n].dtype == ref[n].dtype, (n, got[n].dtype, ref[n].dtype)
+        scale = float(ref[n].abs().max())
+        tol = TOL[dtype]
+        torch.testing.assert_close(got[n], ref[n], rtol=tol["rtol"], atol=tol["rtol"] * scale + tol["atol"] * 1e-3,
+                                   msg=lambda m: f"{what} {n}: {m}")

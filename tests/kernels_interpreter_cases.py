@@ -27,16 +27,18 @@ from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
 from kernel_helpers import TOL, assert_same_fix, odd_gpt, train_steps, twin
 
 DTYPES = [torch.float32, torch.float64]
-ZOO = [
-    ("gpt_gqa", False),  # plain rows + biases, GQA n_rep = 2, nn.Linear (columns contiguous)
-    ("gpt_rope_partial_split_half", False),  # plane slots, partial rotary, GQA
-    ("hf_gpt2", False),  # Conv1D in×out storage, fused c_attn (channels contiguous)
-    ("hf_qwen2", False),  # q/k/v biases, GQA
-    ("torch_mha_kdim", False),  # separate K input width (K rows shorter than Q rows), d_k = 6
-    ("gpt", True),  # LRM multipliers, per head
-    ("gpt_rope_split_half_gqa", True),  # multipliers, RoPE planes, GQA
-    ("hf_gpt2", True),
-    ("hf_llama", True),
+F32, F64 = torch.float32, torch.float64
+ZOO = [  # (model, lrm, dtype): each layout once; the dtype alternates (the interpreter is slow)
+    ("gpt_gqa", False, F32),  # plain rows + biases, GQA n_rep = 2, nn.Linear (columns contiguous)
+    ("gpt_gqa", False, F64),
+    ("gpt_rope_partial_split_half", False, F32),  # plane slots, partial rotary, GQA
+    ("hf_gpt2", False, F64),  # Conv1D in×out storage, fused c_attn (channels contiguous)
+    ("hf_qwen2", False, F32),  # q/k/v biases, GQA
+    ("torch_mha_kdim", False, F64),  # separate K input width (K rows shorter than Q rows), d_k = 6
+    ("gpt", True, F32),  # LRM multipliers, per head
+    ("gpt_rope_split_half_gqa", True, F64),  # multipliers, RoPE planes, GQA
+    ("hf_gpt2", True, F32),
+    ("hf_llama", True, F64),
 ]
 
 
@@ -60,8 +62,7 @@ def _both(model, opt, **kw):
     return (model, opt, r1), (m2, o2, r2)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name,lrm", ZOO, ids=[n + ("+lrm" if l else "") for n, l in ZOO])
+@pytest.mark.parametrize("name,lrm,dtype", ZOO, ids=[n + ("+lrm" if l else "") + f"-{str(d)[6:]}" for n, l, d in ZOO])
 def test_fused_gauge_fix_matches_the_torch_core(name, lrm, dtype):
     model = zoo.build(name, seed=1, lrm=lrm, dtype=dtype).model
     opt = _setup(model)
@@ -179,3 +180,85 @@ def test_environment_variable_forces_triton(monkeypatch):
 def test_docstring_example_runs():
     failures, tried = doctest.testmod(gft, verbose=False)
     assert tried > 0 and failures == 0
+
+
+# ---------------------------------------------------------------------- closed-form projections
+from gaugeopt.kernels import fused_project, fused_vertical  # noqa: E402
+from gaugeopt.kernels import projection_triton as pjt  # noqa: E402
+from gaugeopt.kernels.projection_reference import project_reference, vertical_reference  # noqa: E402
+from kernel_helpers import assert_same_fields, random_field  # noqa: E402
+
+PROJ = [  # (model, sectors, dtype, small tiles): tiles are dtype-independent, rounding is not
+    ("odd_full_rope", ("qk",), torch.float64, True),  # 5 planes per head, 37 (+1 bias) columns, n_rep = 3
+    ("odd_full_rope+lrm", ("qk", "lrm_qk", "lrm_vo"), torch.float32, True),  # per-head twists r_Q in the plane solve
+    ("odd_full_rope+lrm", ("qk",), torch.float64, False),
+    ("odd_partial+lrm", ("lrm_qk", "lrm_vo"), torch.float64, False),  # lrm_qk slots: 3 planes + 4 single channels
+    ("hf_llama+lrm", ("qk", "lrm_qk"), torch.float32, False),  # GQA, biases, split-half, Llama layout
+    ("hf_mistral", ("qk",), torch.float64, False),
+]
+
+
+def _proj_model(name: str, dtype):
+    if name.startswith("odd"):
+        return odd_gpt(lrm=name.endswith("+lrm"), dtype=dtype, rope="interleaved" if "full" in name else "split_half",
+                       rotary_dim=None if "full" in name else 6, seed=3)
+    base, _, lrm = name.partition("+")
+    return zoo.build(base, seed=3, lrm=bool(lrm), dtype=dtype).model
+
+
+@pytest.mark.parametrize("name,sectors,dtype,small", PROJ,
+                         ids=[f"{n}-{str(d)[6:]}{'-small-tiles' if t else ''}" for n, _, d, t in PROJ])
+def test_fused_projection_matches_the_projector(monkeypatch, name, sectors, dtype, small):
+    if small:
+        monkeypatch.setattr(pjt, "_BLOCK_P", 4)  # 5 planes -> 2 plane blocks, the second one partial
+        monkeypatch.setattr(pjt, "_TILE_ELEMS", 128)  # 32 columns per tile: 37 -> two tiles, the second partial
+    model = _proj_model(name, dtype)
+    u = random_field(model)
+    for sector in sectors:
+        ref = vertical_reference(model, u, sector)
+        got = fused_vertical(model, u, sector, backend="triton")
+        assert dispatch.last_decision(f"project_{sector}").backend == "triton"
+        assert_same_fields(ref, got, dtype, f"vertical {sector}")
+        assert min(float(v.norm()) for v in got.values()) > 1e-3  # not vacuous: every tensor has a vertical part
+    if small:
+        return  # the subtracting variant is checked on the default tiles (interpreter time)
+    sector = sectors[0]
+    hor = fused_project(model, u, sector, backend="triton")
+    assert_same_fields(project_reference(model, u, sector), hor, dtype, f"project {sector}")
+    left = vertical_reference(model, hor, sector)  # the projected field has no vertical part left
+    assert max(float(v.abs().max()) for v in left.values()) < (1e-4 if dtype == torch.float32 else 1e-11)
+
+
+def test_fused_projection_in_place_and_missing_entries():
+    model = _proj_model("odd_full_rope+lrm", torch.float64)
+    u = random_field(model, seed=5)
+    del u["transformer.h.1.attn.c_attn.weight"]  # a missing entry counts as zero
+    expect = project_reference(model, dict(u), "qk")
+    given = {n: t.clone() for n, t in u.items()}
+    same = given["transformer.h.0.attn.c_attn.weight"]
+    out = fused_project(model, given, "qk", inplace=True, backend="triton")
+    assert out["transformer.h.0.attn.c_attn.weight"] is same  # written in place
+    assert_same_fields(expect, out, torch.float64, "in place")
+
+
+def test_zero_multiplier_is_refused_like_the_core():
+    model = _proj_model("odd_full_rope+lrm", torch.float64)
+    with torch.no_grad():
+        model.transformer.h[1].attn.c_attn.row_mults[1][3] = 0.0  # one r_K entry
+    u = random_field(model)
+    with pytest.raises(gaugeopt.GaugeError, match="exact zero"):
+        vertical_reference(model, u, "qk")
+    with pytest.raises(gaugeopt.GaugeError, match="exact zero"):
+        fused_vertical(model, u, "qk", backend="triton")
+
+
+def test_dense_sectors_are_refused_when_forced_and_fall_back_under_auto():
+    model = _proj_model("odd_partial+lrm", torch.float64)  # partial rotary: the dense block needs Sylvester
+    u = random_field(model)
+    with pytest.raises(gaugeopt.GaugeError, match="Sylvester"):
+        fused_vertical(model, u, "qk", backend="triton")
+    with pytest.raises(gaugeopt.GaugeError, match="no closed form"):
+        fused_vertical(model, u, "vo", backend="triton")
+    got = fused_vertical(model, u, "qk")  # auto on CPU: the projector
+    assert dispatch.last_decision("project_qk").backend == "torch"
+    assert_same_fields(vertical_reference(model, u, "qk"), got, torch.float64)

@@ -1,0 +1,493 @@
+"""Closed-form gauge projections in one Triton launch: diagonal multiplier gauges, RoPE planes.
+
+The torch core (:class:`gaugeopt.projection.GaugeProjector`) handles these sectors site by
+site with a dozen tensor ops each (gathers, products, ``index_add``, a batched 2×2 ``eigh``).
+Here one launch covers every layer (DESIGN.md §4, :mod:`gaugeopt.lrm_sectors`,
+:mod:`gaugeopt.sectors`):
+
+**Diagonal** (``lrm_qk``: ``r_Q`` vs ``r_K`` per channel or RoPE plane; ``lrm_vo``: ``r_V`` vs
+``c_O`` per channel). One program per layer, two sweeps over its KV groups ``j``::
+
+    den[j, m] = Σ_{heads, c∈m} a² + Σ b²,     num[j, m] = Σ a·du_a − Σ b·du_b
+    t = num / den   (0 where den ≤ rtol · max_{layer} den: the pseudo-inverse rule)
+    v_a = t·a,  v_b = −t·b
+
+(the first sweep only finds the layer's largest ``den``, which the rule needs).
+
+**RoPE planes** (``qk`` when every channel is rotated: LLaMA-style full rotary). One program
+per (layer, KV group, block of planes); with rows ``P, Q`` of each plane over the augmented
+rows ``[W̄ | b̄]`` of the group's query heads (side A) and key head (side B), twists
+``α = λ_Q/λ_P`` from the LRM row multipliers (``1`` without them)::
+
+    pass 1  g_II = Σ ‖A_P‖² + ‖A_Q‖² + (B),   g_JJ = Σ α²‖A_Q‖² + α⁻²‖A_P‖² + (B, β),
+            g_IJ = Σ (α − α⁻¹)⟨A_P, A_Q⟩ + (β⁻¹ − β)⟨B_P, B_Q⟩,
+            r_I = Σ ⟨dA_P, A_P⟩ + ⟨dA_Q, A_Q⟩ − (B),   r_J = Σ α⟨dA_P, A_Q⟩ − α⁻¹⟨dA_Q, A_P⟩ + (B, β)
+            (a, b) = G⁺ r   (2×2, closed-form eigenvectors, the same pseudo-inverse rule)
+    pass 2  v_A[P] = a A_P + bα A_Q,  v_A[Q] = a A_Q − bα⁻¹ A_P,  v_B[P] = −a B_P + bβ B_Q, ...
+
+Both kernels read the parameters, the vector field ``u`` and write the vertical part (or
+``u − v`` in place, ``subtract=True``) through the descriptor tables of
+:mod:`gaugeopt.kernels.gaugefix_triton`'s design; reductions run in float32 (float64 when any
+input is float64, like the core's compute dtype). Nothing syncs with the host except one
+final flag check (an exact-zero multiplier, which the core refuses too).
+
+Partial rotary (a dense non-rotary block) and the ``vo`` sector need the Sylvester solve and
+stay on the torch path (:mod:`gaugeopt.sylvester`: batched ``eigh`` + matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from gaugeopt.errors import GaugeError
+from gaugeopt.rope import plane_index
+from gaugeopt.structure import AttentionSite, TensorRef
+from gaugeopt.sylvester import default_rtol
+
+__all__ = ["FUSED_SECTORS", "vertical_triton", "unsupported_reason"]
+
+FUSED_SECTORS = ("lrm_qk", "lrm_vo", "qk")
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_TL = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TILE_ELEMS = 4096  # elements of one (plane, column) tile of the RoPE kernel
+_BLOCK_P = 16  # planes per program of the RoPE kernel
+
+
+# ---------------------------------------------------------------------- device code: diagonal
+@triton.jit
+def _diag_kernel(
+    site_tab,  # (n_sites, 8) int64: desc row, h_kv, k_a, k_b, width, n_slots, slot offset, -
+    desc_tab,  # (n_sites * 6, 4) int64: addr, stride_head, stride_chan, - for p_a, u_a, o_a, p_b, u_b, o_b
+    slot_tab,  # (Σ width,) int32
+    rtol_ptr,  # (1,) ACC
+    P_T: tl.constexpr, U_T: tl.constexpr, ACC_T: tl.constexpr,
+    SUBTRACT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    s = tl.program_id(0)
+    row = site_tab + s * 8
+    d0 = tl.load(row + 0)
+    h_kv = tl.load(row + 1)
+    k_a = tl.load(row + 2)
+    k_b = tl.load(row + 3)
+    width = tl.load(row + 4)
+    n_slots = tl.load(row + 5)
+    slot_off = tl.load(row + 6)
+    rtol = tl.load(rtol_ptr)
+
+    k = tl.arange(0, BLOCK_K)
+    c = tl.arange(0, BLOCK_C)
+    cmask = c < width
+    ma = (k < k_a)[:, None] & cmask[None, :]
+    mb = (k < k_b)[:, None] & cmask[None, :]
+    slot = tl.load(slot_tab + slot_off + c, mask=cmask, other=-1)
+    sidx = tl.arange(0, BLOCK_C)
+    onehot = slot[:, None] == sidx[None, :]  # (channels, slots)
+    smask = sidx < n_slots
+
+    pa = tl.load(desc_tab + (d0 + 0) * 4).to(tl.pointer_type(P_T))
+    ua = tl.load(desc_tab + (d0 + 1) * 4).to(tl.pointer_type(U_T))
+    oa = tl.load(desc_tab + (d0 + 2) * 4).to(tl.pointer_type(U_T))
+    pb = tl.load(desc_tab + (d0 + 3) * 4).to(tl.pointer_type(P_T))
+    ub = tl.load(desc_tab + (d0 + 4) * 4).to(tl.pointer_type(U_T))
+    ob = tl.load(desc_tab + (d0 + 5) * 4).to(tl.pointer_type(U_T))
+    # (head, channel) offsets of each tensor; u and out share the parameter's layout
+    offa = k[:, None] * tl.load(desc_tab + d0 * 4 + 1) + c[None, :] * tl.load(desc_tab + d0 * 4 + 2)
+    offb = k[:, None] * tl.load(desc_tab + (d0 + 3) * 4 + 1) + c[None, :] * tl.load(desc_tab + (d0 + 3) * 4 + 2)
+    sha = tl.load(desc_tab + d0 * 4 + 1) * k_a  # one KV group further
+    shb = tl.load(desc_tab + (d0 + 3) * 4 + 1) * k_b
+
+    # sweep 1: the layer's largest denominator
+    top = tl.zeros([BLOCK_C], dtype=ACC_T)
+    for j in range(0, h_kv):
+        a = tl.load(pa + j * sha + offa, mask=ma, other=0.0).to(ACC_T)
+        b = tl.load(pb + j * shb + offb, mask=mb, other=0.0).to(ACC_T)
+        per_c = tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)
+        den = tl.sum(tl.where(onehot, per_c[:, None], 0.0), axis=0)
+        top = tl.maximum(top, tl.where(smask, den, 0.0))
+    thr = rtol * tl.max(top, axis=0)
+
+    # sweep 2: coefficients and the vertical part
+    for j in range(0, h_kv):
+        a = tl.load(pa + j * sha + offa, mask=ma, other=0.0).to(ACC_T)
+        b = tl.load(pb + j * shb + offb, mask=mb, other=0.0).to(ACC_T)
+        da = tl.load(ua + j * sha + offa, mask=ma, other=0.0).to(ACC_T)
+        db = tl.load(ub + j * shb + offb, mask=mb, other=0.0).to(ACC_T)
+        den = tl.sum(tl.where(onehot, (tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0))[:, None], 0.0), axis=0)
+        num = tl.sum(tl.where(onehot, (tl.sum(a * da, axis=0) - tl.sum(b * db, axis=0))[:, None], 0.0), axis=0)
+        keep = den > thr
+        t = num * tl.where(keep, 1.0 / tl.where(keep, den, 1.0), 0.0)
+        tc = tl.sum(tl.where(onehot, t[None, :], 0.0), axis=1)[None, :]  # per channel
+        va = tc * a
+        vb = -tc * b
+        if SUBTRACT:
+            va = da - va
+            vb = db - vb
+        tl.store(oa + j * sha + offa, va.to(U_T), mask=ma)
+        tl.store(ob + j * shb + offb, vb.to(U_T), mask=mb)
+
+
+# ---------------------------------------------------------------------- device code: RoPE planes
+@triton.jit
+def _plane_kernel(
+    unit_tab,  # (n_units, 3) int64: site, KV group, first plane
+    site_tab,  # (n_sites, 8) int64: desc row start, A members, B members, k_a, k_b, n_planes, plane offset, -
+    desc_tab,  # (n_desc, 8) int64: p addr, u addr, o addr, stride_head, stride_chan, stride_col, n_cols, -
+    twist_tab,  # (n_sites, 2, 3) int64: addr (0 = none), stride_head, stride_chan for A and B
+    plane_tab,  # (Σ planes, 2) int32: rows P, Q
+    rtol_ptr,
+    zero_flag,  # (n_units,) int32: 1 when a twist (multiplier) of the unit is exactly zero
+    P_T: tl.constexpr, U_T: tl.constexpr, ACC_T: tl.constexpr,
+    SUBTRACT: tl.constexpr, HAS_TWIST: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_X: tl.constexpr,
+):
+    uid = tl.program_id(0)
+    s = tl.load(unit_tab + uid * 3)
+    j = tl.load(unit_tab + uid * 3 + 1)
+    m0 = tl.load(unit_tab + uid * 3 + 2)
+    srow = site_tab + s * 8
+    d0 = tl.load(srow + 0)
+    n_da = tl.load(srow + 1)
+    n_db = tl.load(srow + 2)
+    k_a = tl.load(srow + 3)
+    k_b = tl.load(srow + 4)
+    n_planes = tl.load(srow + 5)
+    plane_off = tl.load(srow + 6)
+    rtol = tl.load(rtol_ptr)
+
+    mi = m0 + tl.arange(0, BLOCK_P)
+    pmask = mi < n_planes
+    rp = tl.load(plane_tab + 2 * (plane_off + mi), mask=pmask, other=0)
+    rq = tl.load(plane_tab + 2 * (plane_off + mi) + 1, mask=pmask, other=0)
+    xr = tl.arange(0, BLOCK_X)
+
+    g_ii = tl.zeros([BLOCK_P], dtype=ACC_T)
+    g_jj = tl.zeros([BLOCK_P], dtype=ACC_T)
+    g_ij = tl.zeros([BLOCK_P], dtype=ACC_T)
+    r_i = tl.zeros([BLOCK_P], dtype=ACC_T)
+    r_j = tl.zeros([BLOCK_P], dtype=ACC_T)
+    bad = tl.zeros([BLOCK_P], dtype=tl.int32)
+    # ---- pass 1: Gram and cross terms over both sides, every member head, every column
+    for side in range(0, 2):
+        n_members = tl.where(side == 0, k_a, k_b)
+        dlo = tl.where(side == 0, d0, d0 + n_da)
+        dhi = tl.where(side == 0, d0 + n_da, d0 + n_da + n_db)
+        sgn = tl.where(side == 0, 1.0, -1.0)
+        for kk in range(0, n_members):
+            head = j * n_members + kk
+            app = tl.zeros([BLOCK_P], dtype=ACC_T)
+            aqq = tl.zeros([BLOCK_P], dtype=ACC_T)
+            apq = tl.zeros([BLOCK_P], dtype=ACC_T)
+            ip = tl.zeros([BLOCK_P], dtype=ACC_T)  # <dA_P, A_P> + <dA_Q, A_Q>
+            ipq = tl.zeros([BLOCK_P], dtype=ACC_T)  # <dA_P, A_Q>
+            iqp = tl.zeros([BLOCK_P], dtype=ACC_T)  # <dA_Q, A_P>
+            for d in range(dlo, dhi):
+                drow = desc_tab + d * 8
+                pptr = tl.load(drow + 0).to(tl.pointer_type(P_T))
+                uptr = tl.load(drow + 1).to(tl.pointer_type(U_T))
+                sh = tl.load(drow + 3)
+                sc = tl.load(drow + 4)
+                sx = tl.load(drow + 5)
+                ncols = tl.load(drow + 6)
+                hoff = head * sh
+                for x0 in range(0, ncols, BLOCK_X):
+                    xm = pmask[:, None] & ((x0 + xr) < ncols)[None, :]
+                    xo = (x0 + xr)[None, :] * sx
+                    op = hoff + rp[:, None] * sc + xo
+                    oq = hoff + rq[:, None] * sc + xo
+                    ap = tl.load(pptr + op, mask=xm, other=0.0).to(ACC_T)
+                    aq = tl.load(pptr + oq, mask=xm, other=0.0).to(ACC_T)
+                    dp = tl.load(uptr + op, mask=xm, other=0.0).to(ACC_T)
+                    dq = tl.load(uptr + oq, mask=xm, other=0.0).to(ACC_T)
+                    app += tl.sum(ap * ap, axis=1)
+                    aqq += tl.sum(aq * aq, axis=1)
+                    apq += tl.sum(ap * aq, axis=1)
+                    ip += tl.sum(dp * ap + dq * aq, axis=1)
+                    ipq += tl.sum(dp * aq, axis=1)
+                    iqp += tl.sum(dq * ap, axis=1)
+            al = tl.full([BLOCK_P], 1.0, ACC_T)
+            if HAS_TWIST:
+                trow = twist_tab + s * 6 + side * 3
+                taddr = tl.load(trow)
+                if taddr != 0:
+                    tptr = taddr.to(tl.pointer_type(P_T))
+                    tsh = tl.load(trow + 1)
+                    tsc = tl.load(trow + 2)
+                    lp = tl.load(tptr + head * tsh + rp * tsc, mask=pmask, other=1.0).to(ACC_T)
+                    lq = tl.load(tptr + head * tsh + rq * tsc, mask=pmask, other=1.0).to(ACC_T)
+                    bad = bad | ((lp == 0.0) | (lq == 0.0)).to(tl.int32)
+                    al = lq / tl.where(lp == 0.0, 1.0, lp)
+            inv_al = 1.0 / tl.where(al == 0.0, 1.0, al)
+            g_ii += app + aqq
+            g_jj += al * al * aqq + inv_al * inv_al * app
+            # A side: (α − 1/α)<A_P, A_Q>, α<dA_P, A_Q> − <dA_Q, A_P>/α;  B side: (1/β − β), β<dB_P, B_Q> − <dB_Q, B_P>/β
+            g_ij += sgn * (al - inv_al) * apq
+            r_i += sgn * ip
+            r_j += al * ipq - inv_al * iqp
+    tl.store(zero_flag + uid, tl.max(bad, axis=0))
+
+    # ---- 2×2 pseudo-inverse solve (eigenvalues clamped at 0, those ≤ rtol·λ_max dropped)
+    mean = 0.5 * (g_ii + g_jj)
+    half = 0.5 * (g_ii - g_jj)
+    rad = tl.sqrt(half * half + g_ij * g_ij)
+    l1 = tl.maximum(mean + rad, 0.0)
+    l2 = tl.maximum(mean - rad, 0.0)
+    v1x = l1 - g_jj  # eigenvector of l1: (l1 - g_jj, g_ij) or (g_ij, l1 - g_ii), the longer one
+    v1y = g_ij
+    w1x = g_ij
+    w1y = l1 - g_ii
+    use_w = w1x * w1x + w1y * w1y > v1x * v1x + v1y * v1y
+    ex = tl.where(use_w, w1x, v1x)
+    ey = tl.where(use_w, w1y, v1y)
+    nrm = tl.sqrt(ex * ex + ey * ey)
+    ex = tl.where(nrm > 0, ex / tl.where(nrm > 0, nrm, 1.0), 1.0)
+    ey = tl.where(nrm > 0, ey / tl.where(nrm > 0, nrm, 1.0), 0.0)
+    thr = rtol * l1
+    i1 = tl.where(l1 > thr, 1.0 / tl.where(l1 > thr, l1, 1.0), 0.0)
+    i2 = tl.where(l2 > thr, 1.0 / tl.where(l2 > thr, l2, 1.0), 0.0)
+    c1 = (ex * r_i + ey * r_j) * i1
+    c2 = (-ey * r_i + ex * r_j) * i2
+    ca = ex * c1 - ey * c2
+    cb = ey * c1 + ex * c2
+
+    # ---- pass 2: write v (or u − v) on the rows P and Q
+    for side in range(0, 2):
+        n_members = tl.where(side == 0, k_a, k_b)
+        dlo = tl.where(side == 0, d0, d0 + n_da)
+        dhi = tl.where(side == 0, d0 + n_da, d0 + n_da + n_db)
+        sgn = tl.where(side == 0, 1.0, -1.0)
+        for kk in range(0, n_members):
+            head = j * n_members + kk
+            al = tl.full([BLOCK_P], 1.0, ACC_T)
+            if HAS_TWIST:
+                trow = twist_tab + s * 6 + side * 3
+                taddr = tl.load(trow)
+                if taddr != 0:
+                    tptr = taddr.to(tl.pointer_type(P_T))
+                    lp = tl.load(tptr + head * tl.load(trow + 1) + rp * tl.load(trow + 2), mask=pmask, other=1.0).to(ACC_T)
+                    lq = tl.load(tptr + head * tl.load(trow + 1) + rq * tl.load(trow + 2), mask=pmask, other=1.0).to(ACC_T)
+                    al = lq / tl.where(lp == 0.0, 1.0, lp)
+            inv_al = 1.0 / tl.where(al == 0.0, 1.0, al)
+            # A: v_P = a A_P + bα A_Q, v_Q = a A_Q − bα⁻¹ A_P;   B: v_P = −a B_P + bβ B_Q, v_Q = −a B_Q − bβ⁻¹ B_P
+            fa = (sgn * ca)[:, None]
+            fpq = (cb * al)[:, None]
+            fqp = (cb * inv_al)[:, None]
+            for d in range(dlo, dhi):
+                drow = desc_tab + d * 8
+                pptr = tl.load(drow + 0).to(tl.pointer_type(P_T))
+                uptr = tl.load(drow + 1).to(tl.pointer_type(U_T))
+                optr = tl.load(drow + 2).to(tl.pointer_type(U_T))
+                sh = tl.load(drow + 3)
+                sc = tl.load(drow + 4)
+                sx = tl.load(drow + 5)
+                ncols = tl.load(drow + 6)
+                hoff = head * sh
+                for x0 in range(0, ncols, BLOCK_X):
+                    xm = pmask[:, None] & ((x0 + xr) < ncols)[None, :]
+                    xo = (x0 + xr)[None, :] * sx
+                    op = hoff + rp[:, None] * sc + xo
+                    oq = hoff + rq[:, None] * sc + xo
+                    ap = tl.load(pptr + op, mask=xm, other=0.0).to(ACC_T)
+                    aq = tl.load(pptr + oq, mask=xm, other=0.0).to(ACC_T)
+                    vp = fa * ap + fpq * aq
+                    vq = fa * aq - fqp * ap
+                    if SUBTRACT:
+                        vp = tl.load(uptr + op, mask=xm, other=0.0).to(ACC_T) - vp
+                        vq = tl.load(uptr + oq, mask=xm, other=0.0).to(ACC_T) - vq
+                    tl.store(optr + op, vp.to(U_T), mask=xm)
+                    tl.store(optr + oq, vq.to(U_T), mask=xm)
+
+
+# ---------------------------------------------------------------------- host
+def _sides(site: AttentionSite, sector: str):
+    """``((members_a, twist_a, k_a), (members_b, twist_b, k_b))`` with members ``[(role, ref)]``."""
+    if sector == "lrm_qk":
+        return ([("q.row_mult", site.q.row_mult)], None, site.n_rep), ([("k.row_mult", site.k.row_mult)], None, 1)
+    if sector == "lrm_vo":
+        return ([("v.row_mult", site.v.row_mult)], None, 1), ([("o.col_mult", site.o.col_mult)], None, site.n_rep)
+    qa = [("q.weight", site.q.weight)] + ([("q.bias", site.q.bias)] if site.q.bias is not None else [])
+    kb = [("k.weight", site.k.weight)] + ([("k.bias", site.k.bias)] if site.k.bias is not None else [])
+    return (qa, site.q.row_mult, site.n_rep), (kb, site.k.row_mult, 1)
+
+
+def _sector_sites(sites: Sequence[AttentionSite], sector: str) -> list[AttentionSite]:
+    if sector == "lrm_qk":
+        return [s for s in sites if s.q.row_mult is not None and s.k.row_mult is not None]
+    if sector == "lrm_vo":
+        return [s for s in sites if s.v.row_mult is not None and s.o.col_mult is not None]
+    return list(sites)
+
+
+def _refs(sites, sector) -> list[TensorRef]:
+    out = []
+    for site in sites:
+        for members, twist, _ in _sides(site, sector):
+            out += [ref for _, ref in members]
+    return out
+
+
+def param_names(sites: Sequence[AttentionSite], sector: str) -> list[str]:
+    """Names of the parameters ``sector`` moves (each once, site order)."""
+    return list(dict.fromkeys(r.name for r in _refs(_sector_sites(sites, sector), sector)))
+
+
+def unsupported_reason(sites: Sequence[AttentionSite], sector: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
+    """Why the fused kernel cannot project ``sector`` of these sites (``None`` when it can)."""
+    if sector not in FUSED_SECTORS:
+        return f"sector {sector!r} has no closed form (fused sectors: {FUSED_SECTORS}); it needs the Sylvester solve"
+    sites = _sector_sites(sites, sector)
+    if not sites:
+        return f"no site carries the {sector} gauge"
+    if sector == "qk":
+        for s in sites:
+            if not s.rope.active or s.rope.rotary_dim != s.d_k:
+                return (f"{s.name}: the qk sector is a closed form only when every channel is in a RoPE plane "
+                        f"(rope={s.rope.kind}, rotary_dim={s.rope.rotary_dim}, d_k={s.d_k}); the dense block needs the "
+                        "Sylvester solve")
+    pdt, udt, dev = set(), set(), set()
+    for ref in _refs(sites, sector):
+        p = ref.param
+        u = tensors.get(ref.name)
+        for what, t in (("parameter", p), ("tensor", u)):
+            if t is None:
+                continue
+            if type(t).__name__ == "DTensor":
+                return f"the {what} {ref.name} is a DTensor (FSDP2)"
+            if t.dtype not in SUPPORTED_DTYPES:
+                return f"the {what} {ref.name} has dtype {t.dtype}"
+            dev.add(t.device)
+        pdt.add(p.dtype)
+        if u is not None:
+            udt.add(u.dtype)
+    if len(dev) > 1:
+        return f"tensors on several devices {sorted(map(str, dev))}"
+    if len(pdt) > 1 or len(udt) > 1:
+        return f"the {sector} parameters (or the vector field) mix dtypes"
+    return None
+
+
+def _geometry(view: torch.Tensor) -> tuple[int, int, int, int]:
+    """(stride_head, stride_chan, stride_col, n_cols) of a ``(heads, width[, cols])`` view."""
+    if view.dim() == 2:
+        return view.stride(0), view.stride(1), 0, 1
+    return view.stride(0), view.stride(1), view.stride(2), view.shape[2]
+
+
+def vertical_triton(
+    sites: Sequence[AttentionSite],
+    sector: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    rtol: float | None = None,
+    subtract: bool = False,
+    inplace: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The vertical part of ``tensors`` in ``sector`` (or ``u − v`` with ``subtract=True``).
+
+    Args:
+        sites: attention sites (:func:`gaugeopt.find_attention`).
+        sector: ``"lrm_qk"``, ``"lrm_vo"`` or ``"qk"`` (full-rotary RoPE planes).
+        tensors: ``{name: u}`` as in ``model.named_parameters()``; missing entries count as zero.
+        rtol: pseudo-inverse threshold (default ``1000·ε`` of the compute dtype).
+        subtract: return the horizontal part ``u − v`` of the sector's tensors instead.
+        inplace: with ``subtract``, write ``u − v`` into the given tensors.
+
+    Returns:
+        ``{name: tensor}`` over the sector's parameters, each in its input's dtype (the
+        parameter's dtype where the entry was missing): what
+        ``GaugeProjector(model, sectors=(sector,)).vertical(u)`` (or ``.project``) returns.
+    """
+    why = unsupported_reason(sites, sector, tensors)
+    if why is not None:
+        raise GaugeError(f"vertical_triton cannot project these sites: {why}; use the torch path (backend='torch')")
+    sites = _sector_sites(sites, sector)
+    refs = _refs(sites, sector)
+    params = {r.name: r.param for r in refs}
+    dts = {p.dtype for p in params.values()} | {t.dtype for n, t in tensors.items() if n in params}
+    acc = torch.float64 if torch.float64 in dts else torch.float32
+    rtol = default_rtol(acc) if rtol is None else rtol
+    device = next(iter(params.values())).device
+
+    src: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for n, p in params.items():
+        u = tensors.get(n)
+        if u is None:
+            u = torch.zeros_like(p)
+        elif u.stride() != p.stride():  # the kernels address u and out with the parameter's strides
+            u = torch.empty_like(p, dtype=u.dtype).copy_(u)
+        src[n] = u
+        if subtract:
+            out[n] = u if (inplace and u is tensors.get(n)) else u.clone()
+        else:
+            out[n] = torch.zeros_like(u)
+    pdt = next(iter(params.values())).dtype
+    udt = next(iter(src.values())).dtype
+    rt = torch.tensor([rtol], dtype=acc, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    if sector in ("lrm_qk", "lrm_vo"):
+        site_rows, desc_rows, slots = [], [], []
+        block_k, block_c = 1, 1
+        for site in sites:
+            (ma, _, ka), (mb, _, kb) = _sides(site, sector)
+            width = site.d_k if sector == "lrm_qk" else site.d_v
+            slot = plane_index(site.rope, width) if sector == "lrm_qk" else torch.arange(width)
+            site_rows.append([len(desc_rows), site.h_kv, ka, kb, width, int(slot.max()) + 1, len(slots), 0])
+            slots += slot.tolist()
+            for (_, ref) in (ma[0], mb[0]):
+                v = ref.get().detach()
+                for t in (v, ref.view(src[ref.name]), ref.view(out[ref.name])):
+                    desc_rows.append([t.data_ptr(), v.stride(0), v.stride(1), 0])
+            block_k = max(block_k, ka, kb)
+            block_c = max(block_c, width)
+        _diag_kernel[(len(sites),)](
+            torch.tensor(site_rows, **i64), torch.tensor(desc_rows, **i64),
+            torch.tensor(slots, dtype=torch.int32, device=device), rt,
+            P_T=_TL[pdt], U_T=_TL[udt], ACC_T=_TL[acc], SUBTRACT=subtract,
+            BLOCK_K=triton.next_power_of_2(block_k), BLOCK_C=triton.next_power_of_2(block_c),
+        )
+    else:
+        unit_rows, site_rows, desc_rows, twist_rows, planes = [], [], [], [], []
+        max_cols, has_twist = 1, False
+        for si, site in enumerate(sites):
+            (ma, ta, ka), (mb, tb, kb) = _sides(site, sector)
+            pl = site.rope.planes(site.d_k)
+            site_rows.append([len(desc_rows), len(ma), len(mb), ka, kb, len(pl), len(planes), 0])
+            planes += [list(pq) for pq in pl]
+            for _, ref in ma + mb:
+                v = ref.get().detach()
+                sh, sc, sx, ncols = _geometry(v)
+                desc_rows.append([v.data_ptr(), ref.view(src[ref.name]).data_ptr(), ref.view(out[ref.name]).data_ptr(),
+                                  sh, sc, sx, ncols, 0])
+                max_cols = max(max_cols, ncols)
+            for tw in (ta, tb):
+                if tw is None:
+                    twist_rows.append([0, 0, 0])
+                else:
+                    tv = tw.get().detach()
+                    twist_rows.append([tv.data_ptr(), tv.stride(0), tv.stride(1)])
+                    has_twist = True
+            unit_rows += [[si, j, m0] for j in range(site.h_kv) for m0 in range(0, len(pl), _BLOCK_P)]
+        flags = torch.zeros(len(unit_rows), dtype=torch.int32, device=device)
+        _plane_kernel[(len(unit_rows),)](
+            torch.tensor(unit_rows, **i64), torch.tensor(site_rows, **i64), torch.tensor(desc_rows, **i64),
+            torch.tensor(twist_rows, **i64), torch.tensor(planes, dtype=torch.int32, device=device), rt, flags,
+            P_T=_TL[pdt], U_T=_TL[udt], ACC_T=_TL[acc], SUBTRACT=subtract, HAS_TWIST=has_twist,
+            BLOCK_P=_BLOCK_P, BLOCK_X=min(triton.next_power_of_2(max_cols), max(1, _TILE_ELEMS // _BLOCK_P)),
+        )
+        if has_twist and bool(flags.any()):  # the one host sync, only with multipliers (as the core checks)
+            raise GaugeError(
+                "a Q/K row multiplier has an exact zero; the gauge generators in W̄ coordinates divide by it. "
+                "Re-initialise that multiplier."
+            )
+    if inplace and subtract:
+        for n, t in out.items():
+            given = tensors.get(n)
+            if given is not None and t is not given:
+                given.copy_(t)
+                out[n] = given
+    return out
