@@ -23,8 +23,8 @@ plane, i.e. to lie in the RoPE commutant). So :func:`compare` decides ``G``-equi
    distances, two levels under GQA) under which every head's circuits agree.
 
 Circuit distances never form a ``d×d`` matrix: for the matching,
-``‖XᵀY − X'ᵀY'‖² = ⟨XXᵀ, YYᵀ⟩ + ⟨X'X'ᵀ, Y'Y'ᵀ⟩ − 2⟨XX'ᵀ, YY'ᵀ⟩`` (``d_k×d_k`` Grams, accurate to
-``~√eps``); for the verdict on the matched pairs, without cancellation,
+``‖XᵀY − X'ᵀY'‖² = ⟨XXᵀ, YYᵀ⟩ + ⟨X'X'ᵀ, Y'Y'ᵀ⟩ − 2⟨XX'ᵀ, YY'ᵀ⟩`` (``d_k×d_k`` Grams,
+accurate to ``~√eps``); for the verdict on the matched pairs, without cancellation,
 ``‖XᵀY − X'ᵀY'‖ = ‖R·[Y; −Y']‖`` with ``[X; X']ᵀ = QR`` (accurate to ``~κ·eps``).
 
 **What a verdict means.** ``True`` is sound without any genericity assumption: equal
@@ -159,7 +159,9 @@ def _precise_sqdist(pa, pb, perm: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return sum(out[:-1]), out[-1]
 
 
-def match_heads(site_a: AttentionSite, site_b: AttentionSite, cost: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def match_heads(
+    site_a: AttentionSite, site_b: AttentionSite, cost: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-respecting optimal head matching of B to A.
 
     Returns ``(kv_perm, q_perm)`` in :func:`gaugeopt.actions.permute_heads` form: B's KV group
@@ -344,7 +346,7 @@ class Fingerprint:
     spectra: tuple[torch.Tensor, ...]
     inert_norms: torch.Tensor
 
-    def distance(self, other: "Fingerprint") -> float:
+    def distance(self, other: Fingerprint) -> float:
         """Largest relative difference (rows matched optimally per layer); ``inf`` across architectures."""
         if self.signature != other.signature:
             return float("inf")

@@ -147,8 +147,9 @@ def _check_same(sites_a, sites_b) -> None:
     shape = lambda s: (s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope)  # noqa: E731
     if [shape(s) for s in sites_a] != [shape(s) for s in sites_b]:
         raise GaugeError(
-            "merge: the two models have different attention layouts "
-            f"({[shape(s)[:5] for s in sites_a]} vs {[shape(s)[:5] for s in sites_b]}); only the same architecture can be merged"
+            "merge: the two models have different attention layouts (h, h_kv, d_k, d_v, d_model per layer: "
+            f"{[shape(s)[:5] for s in sites_a]} vs {[shape(s)[:5] for s in sites_b]}); "
+            "only models of one architecture can be merged"
         )
 
 
@@ -197,7 +198,9 @@ def average(model_a: nn.Module, model_b: nn.Module, alpha: float = 0.5) -> nn.Mo
     sb = model_b.state_dict()
     for name, t in out.state_dict().items():
         if name not in sb or sb[name].shape != t.shape:
-            raise GaugeError(f"average: model_b has no tensor {name!r} of shape {tuple(t.shape)}; the architectures differ")
+            raise GaugeError(
+                f"average: model_b has no tensor {name!r} of shape {tuple(t.shape)}; the architectures differ"
+            )
         if t.is_floating_point():
             t.copy_((1 - alpha) * t + alpha * sb[name].to(t))
     return out

@@ -31,7 +31,9 @@ CANON_CASES = [
 ]
 CANON_IDS = [n + ("+lrm" if lrm else "") for n, lrm in CANON_CASES]
 # A smaller set for the 20-copy equivalence and the merge tests.
-CORE_CASES = [("gpt", False), ("gpt_rope_split_half_gqa", False), ("hf_gpt2", False), ("hf_llama", False), ("gpt", True)]
+CORE_CASES = [
+    ("gpt", False), ("gpt_rope_split_half_gqa", False), ("hf_gpt2", False), ("hf_llama", False), ("gpt", True),
+]
 CORE_IDS = [n + ("+lrm" if lrm else "") for n, lrm in CORE_CASES]
 
 
@@ -89,7 +91,8 @@ def section_violation(model: nn.Module, section: str, residual: str = "fix") -> 
                     off = G - torch.diag(torch.diag(G))
                     worst = max(worst, float(off.abs().max() / G.abs().max()))
                     d = torch.diag(G)
-                    worst = max(worst, float((d[1:] - d[:-1]).clamp_min(0).max(), ) if len(d) > 1 else 0.0)
+                    if len(d) > 1:
+                        worst = max(worst, float((d[1:] - d[:-1]).clamp_min(0).max()))
                     for a in range(r, dk):
                         worst = max(worst, float(float((wk[j][a] ** 3).sum()) < 0))
             for p, q in site.rope.planes(dk):
@@ -117,7 +120,10 @@ def explicit_qk_forms(site, i: int) -> list[torch.Tensor]:
     the projector on the non-rotary coordinates."""
     wq, bq = effective(site, "q")
     wk, bk = effective(site, "k")
-    aug = lambda w, b: torch.cat([w, (torch.zeros(w.shape[0], 1, dtype=w.dtype) if b is None else b[:, None])], 1)  # noqa: E731
+
+    def aug(w, b):
+        return torch.cat([w, (torch.zeros(w.shape[0], 1, dtype=w.dtype) if b is None else b[:, None])], 1)
+
     j = i // site.n_rep
     xq = aug(wq[i], None if bq is None else bq[i])
     xk = aug(wk[j], None if bk is None else bk[j])
@@ -154,8 +160,9 @@ def perturb(model: nn.Module, which: str, gen: torch.Generator, rel: float = 1e-
     sites = gaugeopt.find_attention(model)
     site = sites[int(torch.randint(len(sites), (1,), generator=gen))]
     if which == "mlp":
+        owned = set(site.parameter_names())
         name, p = next((n, p) for n, p in model.named_parameters()
-                       if p.dim() == 2 and ("mlp" in n or "fc" in n or n.startswith("head")) and n not in site.parameter_names())
+                       if p.dim() == 2 and ("mlp" in n or "fc" in n or n.startswith("head")) and n not in owned)
         t = p
     else:
         ref = getattr(site, which).weight

@@ -11,7 +11,7 @@ import torch
 import gaugeopt
 import gaugeopt.canonical as canonical_mod
 import zoo
-from gaugeopt.canonical import canonical_metrics, canonicalize, section_residual
+from gaugeopt.canonical import canonicalize, section_residual
 from gaugeopt.rope import commutant_basis
 from model_tools_helpers import (
     CANON_CASES,
@@ -81,13 +81,16 @@ def _group_rows(site, j):
     wv, bv = effective(site, "v")
     wo, _ = effective(site, "o")
     heads = [i for i in range(site.h) if i // site.n_rep == j]
-    qk = torch.cat([aug(wq[i], None if bq is None else bq[i]) for i in heads] + [aug(wk[j], None if bk is None else bk[j])], 1)
+    queries = [aug(wq[i], None if bq is None else bq[i]) for i in heads]
+    qk = torch.cat(queries + [aug(wk[j], None if bk is None else bk[j])], 1)
     vo = torch.cat([aug(wv[j], None if bv is None else bv[j])] + [wo[:, i].T for i in heads], 1)
     return qk, vo
 
 
 @pytest.mark.parametrize("section", SECTIONS)
-@pytest.mark.parametrize("cid", ["gpt", "gpt_rope_split_half_gqa", "gpt_rope_partial_split_half", "hf_llama", "hf_gpt2"])
+@pytest.mark.parametrize(
+    "cid", ["gpt", "gpt_rope_split_half_gqa", "gpt_rope_partial_split_half", "hf_llama", "hf_gpt2"]
+)
 def test_kept_residual_is_exactly_orthogonal(cases, cid, section):
     """residual='keep' (paper 000 Alg. 1 / SPD balancing): transformed copies differ, but only by
     an orthogonal factor per KV group (in the RoPE commutant for Q/K) — exactly Prop. 45's
@@ -153,7 +156,8 @@ def test_metrics_before_after_match_definitions():
             for j in range(site.h_kv):
                 P = sum(wq[i] @ wq[i].T for i in range(site.h) if i // site.n_rep == j)
                 R = wk[j] @ wk[j].T
-                expect["value_orthonormality"].append(float((wv[j] @ wv[j].T - torch.eye(site.d_v, dtype=P.dtype)).norm()))
+                eye = torch.eye(site.d_v, dtype=P.dtype)
+                expect["value_orthonormality"].append(float((wv[j] @ wv[j].T - eye).norm()))
                 expect["qk_imbalance"].append(float((P - R).norm() / P.norm()))
                 expect["cond_q"].append(float(torch.linalg.cond(P)))
                 expect["cond_k"].append(float(torch.linalg.cond(R)))
@@ -218,7 +222,8 @@ def test_errors_name_the_problem(cases):
         site = gaugeopt.find_attention(broken)[1]
         w = site.q.weight.get()
         w[2, 0] = w[2, 1]  # head 2 of layer 1: two equal query rows, rank d_k - 1
-    with pytest.raises(gaugeopt.GaugeError, match=r"transformer\.h\.1\.attn: Q/K stacked W_Q is numerically rank deficient"):
+    match = r"transformer\.h\.1\.attn: Q/K stacked W_Q is numerically rank deficient"
+    with pytest.raises(gaugeopt.GaugeError, match=match):
         canonicalize(broken, "qr")
 
 

@@ -13,14 +13,24 @@ import gaugeopt.equivalence as equivalence_mod
 import zoo
 from gaugeopt.actions import INVALID_KINDS, permute_heads
 from gaugeopt.equivalence import compare, equivalent, fingerprint, match_heads
-from model_tools_helpers import CORE_CASES, CORE_IDS, attention_change, explicit_ov_form, explicit_qk_forms, gauge_kinds, perturb, state_diff
+from model_tools_helpers import (
+    CORE_CASES,
+    CORE_IDS,
+    attention_change,
+    explicit_ov_form,
+    explicit_qk_forms,
+    gauge_kinds,
+    perturb,
+    state_diff,
+)
 
 TOL = 1e-10
 
 
 @pytest.fixture(scope="module")
 def cases():
-    return {n + ("+lrm" if lrm else ""): zoo.build(n, 11, lrm=lrm) for n, lrm in CORE_CASES + [("gpt_rope_partial_interleaved", False)]}
+    chosen = CORE_CASES + [("gpt_rope_partial_interleaved", False)]
+    return {n + ("+lrm" if lrm else ""): zoo.build(n, 11, lrm=lrm) for n, lrm in chosen}
 
 
 @pytest.mark.parametrize("cid", CORE_IDS + ["gpt_rope_partial_interleaved"])
@@ -75,11 +85,14 @@ def test_distances_equal_dense_circuit_distances(cases):
         report = compare(a, b, TOL)
         for sa, sb, m in zip(gaugeopt.find_attention(a), gaugeopt.find_attention(b), report.layers):
             assert torch.equal(m.q_perm, torch.arange(sa.h))  # small perturbations keep the identity matching
-            qk = [sum(float((fa - fb).square().sum()) for fa, fb in zip(explicit_qk_forms(sa, i), explicit_qk_forms(sb, i)))
-                  for i in range(sa.h)]
-            ov = [float((explicit_ov_form(sa, i) - explicit_ov_form(sb, i)).square().sum()) for i in range(sa.h)]
-            sqk = (sum(sum(float(f.square().sum()) for f in explicit_qk_forms(s, i)) for s in (sa, sb) for i in range(sa.h)) / (2 * sa.h)) ** 0.5
-            sov = (sum(float(explicit_ov_form(s, i).square().sum()) for s in (sa, sb) for i in range(sa.h)) / (2 * sa.h)) ** 0.5
+            heads = range(sa.h)
+            pairs = [zip(explicit_qk_forms(sa, i), explicit_qk_forms(sb, i)) for i in heads]
+            qk = [sum(float((fa - fb).square().sum()) for fa, fb in pair) for pair in pairs]
+            ov = [float((explicit_ov_form(sa, i) - explicit_ov_form(sb, i)).square().sum()) for i in heads]
+            sqk = (sum(float(f.square().sum()) for s in (sa, sb) for i in heads for f in explicit_qk_forms(s, i))
+                   / (2 * sa.h)) ** 0.5
+            sov = (sum(float(explicit_ov_form(s, i).square().sum()) for s in (sa, sb) for i in heads)
+                   / (2 * sa.h)) ** 0.5
             assert m.qk == pytest.approx(max(qk) ** 0.5 / sqk, rel=1e-6)
             assert m.ov == pytest.approx(max(ov) ** 0.5 / sov, rel=1e-6)
 

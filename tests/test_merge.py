@@ -27,7 +27,8 @@ def cases():
 @pytest.mark.parametrize("cid", CORE_IDS)
 def test_merge_with_gauge_copy_returns_the_function_naive_average_does_not(cases, cid):
     case = cases[cid]
-    copy_b = gaugeopt.random_gauge_transform(case.copy(), gauge_kinds(cid.endswith("+lrm")), torch.Generator().manual_seed(0))
+    kinds = gauge_kinds(cid.endswith("+lrm"))
+    copy_b = gaugeopt.random_gauge_transform(case.copy(), kinds, torch.Generator().manual_seed(0))
     for residual, sort in (("fix", True), ("keep", False)):  # keep/no sort: Hungarian and Procrustes do the work
         result = merge(case.model, copy_b, residual=residual, sort_heads=sort)
         assert gaugeopt.relative_change(case.logits(), case.logits(result.merged)) <= 1e-10
