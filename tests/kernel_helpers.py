@@ -62,7 +62,12 @@ def twin(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     """A deep copy of ``model`` and an optimizer of the same class holding the same state."""
     m2 = copy.deepcopy(model)
     o2 = type(optimizer)(m2.parameters(), lr=optimizer.defaults["lr"])
-    o2.load_state_dict(optimizer.state_dict())  # hyper-parameters and state
+    # deep copy: load_state_dict keeps the very same state tensors when dtype and device match
+    o2.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    for p1, p2 in zip(model.parameters(), m2.parameters()):
+        for key, v in o2.state.get(p2, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                assert v.data_ptr() != optimizer.state[p1][key].data_ptr(), "twin shares optimizer state"
     return m2, o2
 
 
