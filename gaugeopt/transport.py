@@ -15,8 +15,9 @@ This is exact for diagonal actions: the next step is the step the optimizer woul
 had its whole gradient history been measured in the new coordinates (a test checks it against
 an optimizer run from scratch on a reparameterised copy). It is *not* exact when the
 optimizer adds a coupled L2 term ``weight_decay · p`` to the gradient (``Adam(weight_decay>0)``,
-``SGD(weight_decay>0)``): that penalty is not gauge invariant. Decoupled weight decay (AdamW)
-acts on ``p`` directly and is unaffected.
+``SGD(weight_decay>0)``): that penalty is not gauge invariant; nor for ``Adagrad`` with a non-zero
+``initial_accumulator_value`` (a constant that is not a sum of squared gradients). Decoupled
+weight decay (AdamW) acts on ``p`` directly and is unaffected.
 
 Known optimizers are recognised by class (first match along the MRO, so subclasses inherit the
 rule) **and** by their state keys: a state tensor shaped like the parameter under a key the rule

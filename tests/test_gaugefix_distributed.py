@@ -70,7 +70,7 @@ def _ddp_worker(rank: int, port: int) -> None:
 
     _init(rank, port)
     try:
-        for name, lrm in (("gpt_rope_split_half_gqa", True), ("hf_gpt2", False)):
+        for name, lrm in (("gpt_rope_split_half_gqa", True), ("gpt_gqa", False)):
             model = _model(name, lrm, torch.float32)
             add_drift(model, lrm, vo=True)
             ddp = DDP(model)
@@ -145,8 +145,14 @@ def _fsdp_worker(rank: int, port: int) -> None:
 
             step(batches[0])
             step(batches[1])
+            full_before = {n: p.detach().full_tensor() for n, p in sharded.named_parameters()}
+            moment_before = {n: opts[1].state[p]["exp_avg"].full_tensor() for n, p in sharded.named_parameters()}
             rep_ref = gauge_fix(ref, opts[0], vo=True)
             rep_sh = gauge_fix(sharded, opts[1], vo=True)
+            for n, p in sharded.named_parameters():  # the sharded moments were rescaled by 1/s
+                s = p.detach().full_tensor() / full_before[n]
+                torch.testing.assert_close(opts[1].state[p]["exp_avg"].full_tensor(), moment_before[n] / s,
+                                           rtol=1e-13, atol=0, msg=f"{name}: {n}")
             assert rep_ref.max_drift_before > 0.3
             assert abs(rep_ref.max_drift_before - rep_sh.max_drift_before) <= 1e-12
             assert sorted(rep_ref.transported) == sorted(rep_sh.transported) and rep_sh.transported
