@@ -67,7 +67,7 @@ Example:
     >>> report.max_drift_before > 1e-4, gaugeopt.qk_drift(model) < 1e-6
     (True, True)
     >>> sorted(report.as_dict())[:3]
-    ['gaugefix/heads_fixed', 'gaugefix/params_reset', 'gaugefix/params_transported']
+    ['gaugefix/heads_fixed', 'gaugefix/params_left', 'gaugefix/params_reset']
 """
 
 from __future__ import annotations
@@ -204,7 +204,8 @@ class GaugeFixReport:
 
     @property
     def heads_fixed(self) -> int:
-        """Query heads (Q/K) whose factor differed from 1 in at least one channel."""
+        """Query heads (Q/K) whose factor differed from 1 in at least one channel (right after a
+        fix, rounding alone can make a factor differ from 1 by an ulp, which counts)."""
         return sum(p.heads_fixed for p in self._of("qk"))
 
     def per_layer(self, kind: str = "qk", attr: str = "drift_after") -> list[float]:
@@ -217,6 +218,7 @@ class GaugeFixReport:
             f"{prefix}heads_fixed": float(self.heads_fixed),
             f"{prefix}params_transported": float(len(self.transported)),
             f"{prefix}params_reset": float(len(self.reset)),
+            f"{prefix}params_left": float(len(self.left)),
         }
         for kind in ("qk", "vo"):
             recs = self._of(kind)
