@@ -26,6 +26,19 @@ The pseudo-inverse rule of :mod:`gaugeopt.sylvester` applies: a one-dimensional 
 diagonal gauge's ``(j, π)``) whose denominator is ``≤ rtol ·`` the largest denominator of the
 same layer gets coefficient 0; the Schur systems use the rule relative to their own largest
 eigenvalue.
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> from gaugeopt.projection import GaugeProjector
+    >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))).double()
+    >>> u = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    >>> proj = GaugeProjector(model, sectors=("lrm_qk", "lrm_vo", "lrm_internal"))
+    >>> dec = proj.decompose(u)
+    >>> gaugeopt.vertical_fraction(model, dec.horizontal, projector=proj) < 1e-10
+    True
+    >>> dec.info["joint_residual"] <= 1e-12
+    True
 """
 
 from __future__ import annotations

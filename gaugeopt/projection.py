@@ -30,11 +30,16 @@ relative residual ``cg_tol``; everything else is direct.
 **Joint projection.** ``qk``, ``vo``, ``lrm_qk`` and ``lrm_vo`` touch disjoint parameter
 entries, so their spans are mutually orthogonal and projecting them one after the other is
 exactly the projection onto their sum. ``lrm_internal`` overlaps all of them (it moves ``W̄``
-and the multipliers); projecting off the sum of *all* requested sectors then alternates the
-two orthogonal families (von Neumann/Halperin alternating projections onto the orthogonal
-complements), stopping when the part a full sweep would still remove is ``≤ joint_tol·‖u‖``:
-the result differs from ``u`` by a sum of generators and is orthogonal to every generator to
-that tolerance, which characterises the exact joint projection (``info["joint_residual"]``).
+and the multipliers). Projecting off the sum of the requested sectors then solves for the two
+families' parts together: conjugate gradients on ``P1(I − P2)P1`` (see :meth:`GaugeProjector._joint`),
+stopped when the part of the result still in the first family's span is ``≤ joint_tol·‖u‖``
+(it is exactly orthogonal to the second): the result differs from ``u`` by a sum of generators
+and is orthogonal to all of them to that tolerance, which characterises the exact joint
+projection (``info["joint_residual"]``). The diagonal multiplier gauges are redundant there:
+``lrm_qk`` generators are ``qk`` generators (diagonal ``X``) plus ``lrm_internal`` row rescalings
+of the Q and K blocks (likewise ``lrm_vo``), so with ``qk`` (``vo``) and ``lrm_internal`` requested
+they are left out of the joint solve — same span, better conditioned (``lrm_qk`` and
+``lrm_internal`` alone are nearly parallel when the multipliers dominate the rows of ``W̄``).
 
 **Modes.** ``"exact"``: the Sylvester solve. ``"approx"``: paper 000 Algorithm 2 (two one-sided
 pseudo-inverse estimates, symmetrised) for the dense ``qk``/``vo`` blocks — exact when the Gram
@@ -86,6 +91,7 @@ __all__ = ["SECTORS", "MODES", "GaugeProjector", "Decomposition", "project"]
 SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal")
 MODES = ("exact", "approx")
 _OVERLAPPING = ("lrm_internal",)
+_REDUNDANT = {"lrm_qk": "qk", "lrm_vo": "vo"}  # with lrm_internal present, the key's span lies in the value's + internal
 
 Tensors = Union[Mapping[str, torch.Tensor], Sequence[Union[torch.Tensor, None]]]
 
@@ -102,7 +108,7 @@ class Decomposition:
             LRM block); summed over the sweeps of a joint projection.
         norms: ``{(sector, unit): (‖u_vert‖², ‖u‖²)}`` over the unit's entries (single pass
             of each sector on ``u``; not filled for joint projections).
-        info: solver facts: ``cg_iterations``, ``cg_residual``, ``joint_sweeps``, ``joint_residual``.
+        info: solver facts: ``cg_iterations``, ``cg_residual``, ``joint_iterations``, ``joint_residual``.
     """
 
     vertical: dict[str, torch.Tensor]
@@ -352,12 +358,14 @@ class GaugeProjector:
         norms: dict = {}
         fam1 = [s for s in secs if s not in _OVERLAPPING]
         fam2 = [s for s in secs if s in _OVERLAPPING]
+        if fam2:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same joint span, better conditioned
+            fam1 = [s for s in fam1 if _REDUNDANT.get(s) not in fam1]
         info = ctx.info
         if not fam1 or not fam2:
             def record(sector, unit, coef, vsq, usq):
                 norms[(sector, unit)] = (float(vsq), float(usq))
             vert = self._vertical_family(ctx, preps, fam1 or fam2, work, record, coeffs)
-            info.update(joint_sweeps=0, joint_residual=0.0)
+            info.update(joint_iterations=0, joint_residual=0.0)
         else:
             vert, info_j = self._joint(ctx, preps, fam1, fam2, work, coeffs)
             info.update(info_j)
@@ -366,29 +374,62 @@ class GaugeProjector:
         return Decomposition(vert, hor, coeffs, norms, dict(info))
 
     def _joint(self, ctx, preps, fam1, fam2, u, coeffs):
+        """Projection onto ``V1 + V2`` for two overlapping families with exact projectors ``P1, P2``.
+
+        Writing the vertical part as ``a1 + a2`` (``a1 ∈ V1``, ``a2 = P2(u − a1)``), ``a1`` solves
+        ``S a1 = P1(I − P2) u`` with ``S = P1(I − P2)P1``, symmetric PSD on ``V1`` (eigenvalues
+        ``sin²`` of the principal angles; the intersection is its consistent null space):
+        conjugate gradients, restarted on the true residual ``P1(u − a1 − a2)``, which is also the
+        certificate — the result is exactly orthogonal to ``V2`` and to ``V1`` up to it.
+        """
         tol = default_rtol(self._dtype_now) if self.joint_tol is None else self.joint_tol
-        unorm = math.sqrt(sum(float(t.square().sum()) for t in u.values()))
-        w = {n: t.clone() for n, t in u.items()}
-        sweeps, res = 0, 0.0
+        names = list(u)
+        zero = lambda: {n: torch.zeros_like(u[n]) for n in names}  # noqa: E731
+
+        def P(fam, x, c=None):
+            out = zero()
+            for n, t in self._vertical_family(ctx, preps, fam, x, coeffs=c).items():
+                out[n] = t
+            return out
+
+        def axpy(a, x, y):  # y + a·x
+            return {n: y[n] + a * x[n] for n in names}
+
+        def dot(x, y):
+            return sum(float((x[n] * y[n]).sum()) for n in names)
+
+        unorm = math.sqrt(dot(u, u)) or 1.0
+        a1 = zero()
+        iters = 0
         while True:
-            v1 = self._vertical_family(ctx, preps, fam1, w, coeffs=coeffs)
-            res = math.sqrt(sum(float(t.square().sum()) for t in v1.values())) / max(unorm, 1e-300)
-            for n, t in v1.items():
-                w[n] -= t
-            if sweeps > 0 and res <= tol:
+            w = axpy(-1.0, P(fam2, axpy(-1.0, a1, u)), axpy(-1.0, a1, u))  # (I − P2)(u − a1)
+            r = P(fam1, w)  # true residual of the reduced system = the part of w still in V1
+            res = math.sqrt(dot(r, r)) / unorm
+            if res <= tol or iters >= self.joint_maxiter:
                 break
-            if sweeps >= self.joint_maxiter:
-                self._warn_once(
-                    f"gauge projection (joint): alternating projections stopped after {sweeps} sweeps with "
-                    f"{res:.2e} of ‖u‖ still vertical (joint_tol={tol:.1e}); raise joint_maxiter"
-                )
-                break
-            v2 = self._vertical_family(ctx, preps, fam2, w, coeffs=coeffs)
-            for n, t in v2.items():
-                w[n] -= t
-            sweeps += 1
-        vert = {n: u[n] - w[n] for n in u}
-        return vert, {"joint_sweeps": sweeps, "joint_residual": res}
+            p, rr, delta = r, dot(r, r), zero()
+            while iters < self.joint_maxiter:
+                Sp = P(fam1, axpy(-1.0, P(fam2, p), p))
+                pSp = dot(p, Sp)
+                if pSp <= 0:
+                    break
+                alpha = rr / pSp
+                delta, r = axpy(alpha, p, delta), axpy(-alpha, Sp, r)
+                iters += 1
+                rr_new = dot(r, r)
+                if math.sqrt(rr_new) / unorm <= 0.1 * tol:
+                    break
+                p, rr = axpy(rr_new / rr, p, r), rr_new
+            a1 = axpy(1.0, delta, a1)
+        if res > tol:
+            self._warn_once(
+                f"gauge projection (joint): conjugate gradients stopped after {iters} iterations with {res:.2e} of "
+                f"‖u‖ still vertical (joint_tol={tol:.1e}); the sector families are nearly parallel here, raise joint_maxiter"
+            )
+        a1 = P(fam1, a1, coeffs)  # coefficients of both parts, in Lie-algebra coordinates
+        a2 = P(fam2, axpy(-1.0, a1, u), coeffs)
+        vert = {n: a1[n] + a2[n] for n in names}
+        return vert, {"joint_iterations": iters, "joint_residual": res}
 
     # ------------------------------------------------------------------ public API
     def vertical(self, tensors: Tensors, *, sectors: Sequence[str] | None = None, at=None) -> dict[str, torch.Tensor]:
