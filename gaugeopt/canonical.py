@@ -85,16 +85,8 @@ from .lrm import LRMLinear
 from .structure import AttentionSite, find_attention
 
 __all__ = [
-    "SECTIONS",
-    "RESIDUALS",
-    "GaugeMetrics",
-    "CanonicalReport",
-    "canonicalize",
-    "canonical_metrics",
-    "section_residual",
-    "fold_lrm_multipliers",
-    "effective_tensors",
-    "head_energies",
+    "SECTIONS", "RESIDUALS", "GaugeMetrics", "CanonicalReport", "canonicalize", "canonical_metrics",
+    "section_residual", "fold_lrm_multipliers", "effective_tensors", "head_energies",
 ]
 
 SECTIONS = ("qr", "balanced")
@@ -330,10 +322,7 @@ class GaugeMetrics:
 
     def summary(self) -> dict[str, tuple[float, float]]:
         """``{metric: (mean, max)}`` over layers and KV groups."""
-        return {
-            name: (float(v.mean()), float(v.max()))
-            for name, v in vars(self).items()
-        }
+        return {name: (float(v.mean()), float(v.max())) for name, v in vars(self).items()}
 
 
 def canonical_metrics(model: nn.Module) -> GaugeMetrics:
@@ -484,8 +473,8 @@ def canonicalize(
         sort_heads: order heads by the documented rule (module docstring).
         fold_multipliers: fold LRM multipliers into the weights first (see module docstring).
         inplace: modify ``model`` instead of a deep copy.
-        rank_rtol: refuse projections with ``σ_min/σ_max`` at or below this (default ``1e3·eps``
-            of the model's dtype).
+        rank_rtol: refuse projections with ``σ_min/σ_max`` at or below this (default
+            ``min(1e3·eps, 1e-4)`` for the model's dtype).
 
     Returns:
         A :class:`CanonicalReport` (``.model`` is the canonical model).
@@ -500,7 +489,7 @@ def canonicalize(
     sites = find_attention(target)
     if rank_rtol is None:
         dtype = sites[0].q.weight.param.dtype
-        rank_rtol = 1e3 * torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
+        rank_rtol = min(1e3 * torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps, 1e-4)
     before = canonical_metrics(target)
     margins = {"spectral_gap": float("inf"), "sign_margin": float("inf"), "sort_gap": float("inf")}
     kv_perms, q_perms = [], []

@@ -55,6 +55,7 @@ __all__ = [
     "read_config",
     "read_weights",
     "build_model",
+    "gpt_config",
     "load_checkpoint",
     "save_checkpoint",
     "output_paths",
@@ -196,19 +197,26 @@ def _transformers():
     return transformers
 
 
+def gpt_config(config: dict):
+    """The :class:`~gaugeopt.models.GPTConfig` described by a ``gaugeopt_gpt`` config dict."""
+    from .models.gpt import GPTConfig
+
+    known = {f.name for f in fields(GPTConfig)}
+    args = {k: v for k, v in config.items() if k not in ("model_type", LRM_FLAG)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise GaugeError(f"GPT config has unknown fields {unknown}; known fields: {sorted(known)}")
+    return GPTConfig(**args)
+
+
 def build_model(config: dict, *, lrm: bool | None = None) -> nn.Module:
     """A randomly initialised model for ``config`` (eval mode); ``lrm`` defaults to the config's flag."""
-    from .models.gpt import GPT, GPTConfig
+    from .models.gpt import GPT
 
     kind = config.get("model_type")
     lrm = bool(config.get(LRM_FLAG, False)) if lrm is None else lrm
     if kind == GPT_TYPE:
-        known = {f.name for f in fields(GPTConfig)}
-        args = {k: v for k, v in config.items() if k not in ("model_type", LRM_FLAG)}
-        unknown = sorted(set(args) - known)
-        if unknown:
-            raise GaugeError(f"GPT config has unknown fields {unknown}; known fields: {sorted(known)}")
-        model = GPT(GPTConfig(**args))
+        model = GPT(gpt_config(config))
     elif kind in HF_TYPES:
         tf = _transformers()
         cfg = tf.AutoConfig.for_model(**{k: v for k, v in config.items() if k != LRM_FLAG})
