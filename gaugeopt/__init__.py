@@ -17,44 +17,52 @@ Example:
 """
 
 from .actions import invalid_gauge_transform, random_gauge_transform, relative_change
+from .canonical import canonical_metrics, canonicalize
+from .checkpoint import load_checkpoint, save_checkpoint
 from .counting import gauge_dimension
+from .diagnostics import vertical_fraction, vertical_report
+from .drift import qk_drift, vo_drift
+from .equivalence import equivalent, fingerprint
 from .errors import GaugeError
+from .gaugefix import GaugeFixReport, gauge_fix
 from .lrm import LRMLinear, apply_lrm, lrm_param_groups
+from .merge import merge
+from .optim import GaugeProjected
+from .projection import GaugeProjector
 from .rope import RopeSpec
 from .structure import AttentionSite, find_attention, register_adapter, site_from_linears
+from .transport import register_state_rule
 
 __version__ = "0.1.0"
 
-# Public names whose modules are loaded on first use (each imports only torch).
-_LAZY = {
-    "qk_drift": "gaugeopt.gaugefix",
-    "gauge_fix": "gaugeopt.gaugefix",
-    "GaugeProjected": "gaugeopt.optim",
-    "vertical_fraction": "gaugeopt.diagnostics",
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'gaugeopt' has no attribute {name!r}")
-
-
 __all__ = [
-    *_LAZY,
     "AttentionSite",
     "GaugeError",
+    "GaugeFixReport",
+    "GaugeProjected",
+    "GaugeProjector",
     "LRMLinear",
     "RopeSpec",
     "apply_lrm",
+    "canonical_metrics",
+    "canonicalize",
+    "equivalent",
     "find_attention",
+    "fingerprint",
     "gauge_dimension",
+    "gauge_fix",
     "invalid_gauge_transform",
+    "load_checkpoint",
     "lrm_param_groups",
+    "merge",
+    "qk_drift",
     "random_gauge_transform",
     "register_adapter",
+    "register_state_rule",
     "relative_change",
+    "save_checkpoint",
     "site_from_linears",
+    "vertical_fraction",
+    "vertical_report",
+    "vo_drift",
 ]

@@ -232,8 +232,8 @@ class AttentionSite:
     def _mult_factors(self, p: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Row and column factors broadcastable against the canonical weight view of ``p``."""
         proj: Projection = getattr(self, p)
-        r = proj.row_mult.get() if proj.row_mult is not None else None
-        c = proj.col_mult.get() if proj.col_mult is not None else None
+        r = proj.row_mult.get().detach() if proj.row_mult is not None else None
+        c = proj.col_mult.get().detach() if proj.col_mult is not None else None
         if p == "o":  # weight (d, h, d_v): rows = d, cols = (h, d_v)
             return (None if r is None else r[:, None, None]), c
         return (None if r is None else r[..., None]), c
@@ -254,7 +254,7 @@ class AttentionSite:
         if proj.bias is not None:
             b = proj.bias.get().detach().clone()
             if proj.row_mult is not None:
-                b = b * proj.row_mult.get()
+                b = b * proj.row_mult.get().detach()
         return w, b
 
     @torch.no_grad()
