@@ -55,7 +55,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.gaugefix import GaugeFixReport, PairRecord
 from gaugeopt.transport import UNKNOWN_STATE_POLICIES, _shaped_keys, classify_state, state_rule, unwrap_optimizer
 
-__all__ = ["gauge_fix_triton", "unsupported_reason", "SUPPORTED_DTYPES"]
+__all__ = ["gauge_fix_triton", "prepare_fix", "PreparedFix", "fingerprint", "unsupported_reason", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -380,6 +380,14 @@ class _Launch:
     block_x: int
 
 
+def _to_device(rows, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host table on ``device`` without a host synchronisation (pinned, non-blocking)."""
+    t = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _pack(members: list[int], plans: Sequence[PairPlan], descs, layout: int, device) -> _Launch:
     plan_rows, desc_rows, slot_vals, unit_rows, out_offsets, unit_offsets = [], [], [], [], [], []
     n_out, max_width, max_cols = 0, 1, 1
@@ -404,11 +412,10 @@ def _pack(members: list[int], plans: Sequence[PairPlan], descs, layout: int, dev
     first_p, first_s = descs[members[0]]
     pdt = first_p[0].view.dtype
     block_c = triton.next_power_of_2(max_width)
-    i64 = dict(dtype=torch.int64, device=device)
     return _Launch(
         members,
-        torch.tensor(unit_rows, **i64), torch.tensor(plan_rows, **i64), torch.tensor(desc_rows, **i64),
-        torch.tensor(slot_vals, dtype=torch.int32, device=device),
+        _to_device(unit_rows, torch.int64, device), _to_device(plan_rows, torch.int64, device),
+        _to_device(desc_rows, torch.int64, device), _to_device(slot_vals, torch.int32, device),
         out_offsets, unit_offsets, n_out, pdt, first_s[0].view.dtype if first_s else pdt, layout,
         block_c, min(triton.next_power_of_2(max_cols), max(1, _TILE_ELEMS // block_c)),
     )
@@ -437,6 +444,96 @@ def _check_options(unknown_state: str, product_decay: float | None, product_max:
         raise GaugeError(f"product_max={product_max!r} must be > 0")
 
 
+def fingerprint(plans: Sequence[PairPlan], optimizer) -> tuple:
+    """What the packed tables depend on: every parameter's storage and its state tensors' storage.
+
+    Equal fingerprints mean a :class:`PreparedFix` can run again without re-packing."""
+    opt = unwrap_optimizer(optimizer) if optimizer is not None else None
+    seen, fp = set(), []
+    for plan in plans:
+        for side in (plan.a, plan.b):
+            for _, ref in side.members:
+                p = ref.param
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                fp.append(p.data_ptr())
+                st = opt.state.get(p) if opt is not None else None
+                if st:
+                    fp.extend((k, v.data_ptr()) for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0)
+                fp.append(-1)
+    return tuple(fp)
+
+
+@dataclass
+class PreparedFix:
+    """A fused GaugeFix packed for given plans, optimizer state and options: :meth:`run` launches it.
+
+    Valid while :func:`fingerprint` of the same plans and optimizer is unchanged (parameters and
+    state not reallocated); :class:`gaugeopt.kernels.FusedGaugeFix` checks that before reusing it.
+    """
+
+    plans: list[PairPlan]
+    outcome: dict[str, list[str]]
+    launches: list[tuple[_Launch, torch.Tensor]]  # (packed group, scalars)
+    has_max: bool
+    reusable: bool  # False after a "reset"/"leave" outcome: the next call must re-classify
+
+    def run(self) -> GaugeFixReport:
+        records: list = [None] * len(self.plans)
+        flags, order = [], []
+        for pk, scal in self.launches:
+            out, changed = _run(pk, scal, self.has_max)
+            for k, off, u0 in zip(pk.members, pk.out_offsets, pk.unit_offsets):
+                h_kv, ns = self.plans[k].h_kv, self.plans[k].n_slots
+                records[k] = [out[i, off:off + h_kv * ns].view(h_kv, ns) for i in range(_N_OUT)]
+                flags.append(changed[u0:u0 + h_kv].sum().reshape(1))
+                order.append(k)
+        fixed = dict(zip(order, torch.cat(flags).tolist()))  # the one device->host copy (the report's ints)
+        report = GaugeFixReport(**{k: list(v) for k, v in self.outcome.items()})
+        for k, plan in enumerate(self.plans):
+            db, da, pb, pa = records[k]
+            report.pairs.append(PairRecord(
+                plan.site.name, plan.site.layer_index, plan.kind, plan.mode, plan.granularity,
+                db, da, pb, pa, int(fixed[k]) * (plan.site.n_rep if plan.kind == "qk" else 1),
+            ))
+        return report
+
+
+def prepare_fix(
+    plans: Sequence[PairPlan],
+    optimizer=None,
+    *,
+    unknown_state: str = "error",
+    product_decay: float | None = None,
+    product_max: float | None = None,
+    eps: float = 1e-12,
+) -> PreparedFix:
+    """Validate, classify the optimizer state (raising before any write, like the core) and pack
+    the descriptor tables of ``plans``; see :func:`gauge_fix_triton` for the arguments."""
+    _check_options(unknown_state, product_decay, product_max, eps)
+    plans = list(plans)
+    why = unsupported_reason(plans, optimizer)
+    if why is not None:
+        raise GaugeError(f"gauge_fix_triton cannot run these plans: {why}; use the torch path (backend='torch')")
+    outcome = _classify(plans, optimizer, unknown_state)
+    transported = set(outcome["transported"])
+    descs = [_plan_descs(plan, optimizer, transported) for plan in plans]
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for k, (pdesc, sdesc) in enumerate(descs):
+        sdt = sdesc[0].view.dtype if sdesc else None
+        groups[(pdesc[0].view.dtype, sdt, _layout_of(pdesc + sdesc))].append(k)
+    device = descs[0][0][0].view.device
+    mag0 = 1.0 if product_decay is None else (1.0 - product_decay) ** 0.5
+    launches = []
+    for (pdt, _, layout), members in groups.items():
+        acc = torch.float64 if pdt == torch.float64 else torch.float32
+        scal = _to_device([eps, mag0, product_max or 0.0, torch.finfo(acc).tiny], acc, device)
+        launches.append((_pack(members, plans, descs, layout, device), scal))
+    return PreparedFix(plans, outcome, launches, product_max is not None,
+                       reusable=not (outcome["reset"] or outcome["left"]))
+
+
 def gauge_fix_triton(
     plans: Sequence[PairPlan],
     optimizer=None,
@@ -450,8 +547,9 @@ def gauge_fix_triton(
 
     Same semantics and report as the torch core (:func:`gaugeopt.gauge_fix` after planning;
     pass ``optimizer=None`` for ``transport_state=False``). One kernel launch per
-    (parameter dtype, state dtype, layout) group; the only device→host copy is the final one
-    of the per-group "changed" flags that fill the report's integer ``heads_fixed``.
+    (parameter dtype, state dtype, layout) group; the tables go to the device without a host
+    synchronisation; the only device→host copy is the final one of the per-group "changed"
+    flags that fill the report's integer ``heads_fixed``.
 
     Args:
         plans: pairs to balance; every tensor on one device (CUDA, or CPU under
@@ -463,41 +561,5 @@ def gauge_fix_triton(
         :class:`gaugeopt.gaugefix.GaugeFixReport`; its per-pair tensors are views of one
         ``(4, Σ h_kv·n_slots)`` output tensor per launch (float32, float64 for float64 parameters).
     """
-    _check_options(unknown_state, product_decay, product_max, eps)
-    plans = list(plans)
-    why = unsupported_reason(plans, optimizer)
-    if why is not None:
-        raise GaugeError(f"gauge_fix_triton cannot run these plans: {why}; use the torch path (backend='torch')")
-
-    outcome = _classify(plans, optimizer, unknown_state)  # raises before any write
-    transported = set(outcome["transported"])
-    descs = [_plan_descs(plan, optimizer, transported) for plan in plans]
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for k, (pdesc, sdesc) in enumerate(descs):
-        sdt = sdesc[0].view.dtype if sdesc else None
-        groups[(pdesc[0].view.dtype, sdt, _layout_of(pdesc + sdesc))].append(k)
-
-    device = descs[0][0][0].view.device
-    records: list = [None] * len(plans)
-    flags = []
-    for (pdt, _, layout), members in groups.items():
-        acc = torch.float64 if pdt == torch.float64 else torch.float32
-        mag0 = 1.0 if product_decay is None else (1.0 - product_decay) ** 0.5
-        scal = torch.tensor([eps, mag0, product_max or 0.0, torch.finfo(acc).tiny], dtype=acc, device=device)
-        pk = _pack(members, plans, descs, layout, device)
-        out, changed = _run(pk, scal, product_max is not None)
-        for k, off, u0 in zip(members, pk.out_offsets, pk.unit_offsets):
-            h_kv, ns = plans[k].h_kv, plans[k].n_slots
-            records[k] = [out[i, off:off + h_kv * ns].view(h_kv, ns) for i in range(_N_OUT)]
-            flags.append(changed[u0:u0 + h_kv].sum().reshape(1))
-    order = [k for members in groups.values() for k in members]
-    fixed = dict(zip(order, torch.cat(flags).tolist()))  # the one device->host copy
-
-    report = GaugeFixReport(**outcome)
-    for k, plan in enumerate(plans):
-        db, da, pb, pa = records[k]
-        report.pairs.append(PairRecord(
-            plan.site.name, plan.site.layer_index, plan.kind, plan.mode, plan.granularity,
-            db, da, pb, pa, int(fixed[k]) * (plan.site.n_rep if plan.kind == "qk" else 1),
-        ))
-    return report
+    return prepare_fix(plans, optimizer, unknown_state=unknown_state, product_decay=product_decay,
+                       product_max=product_max, eps=eps).run()

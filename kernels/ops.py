@@ -28,7 +28,7 @@ from gaugeopt.structure import AttentionSite, find_attention
 
 from . import dispatch
 
-__all__ = ["fused_gauge_fix", "try_fused_gauge_fix", "fused_vertical", "fused_project"]
+__all__ = ["fused_gauge_fix", "try_fused_gauge_fix", "FusedGaugeFix", "fused_vertical", "fused_project"]
 
 
 def _gaugefix_unsupported(plans, optimizer):
@@ -109,6 +109,75 @@ def fused_gauge_fix(
     return gauge_fix_reference(None, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity,
                                mode=mode, transport_state=transport_state, unknown_state=unknown_state,
                                product_decay=product_decay, product_max=product_max, eps=eps)
+
+
+class FusedGaugeFix:
+    """:func:`gaugeopt.gauge_fix`, planned once and dispatched once: call it after optimizer steps.
+
+    Finds the sites and plans at construction, decides the backend once (the decision and its
+    reason: ``.decision``), and on the Triton path keeps the packed descriptor tables while the
+    parameters' and the optimizer state's storage stay put (checked each call by
+    :func:`gaugeopt.kernels.gaugefix_triton.fingerprint`), so a call is one launch plus the
+    report. Arguments as :func:`gaugeopt.gauge_fix`, plus ``backend``.
+
+    Example:
+        >>> import torch, gaugeopt
+        >>> from gaugeopt.kernels import FusedGaugeFix
+        >>> from gaugeopt.models import GPT, GPTConfig
+        >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)))
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> fix = FusedGaugeFix(model, opt)
+        >>> fix.decision.backend, fix().max_drift_after < 1e-6
+        ('torch', True)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None,
+        optimizer=None,
+        granularity: str = "auto",
+        *,
+        sites: Sequence[AttentionSite] | None = None,
+        vo: bool = False,
+        vo_granularity: str = "head",
+        mode: str = "auto",
+        transport_state: bool = True,
+        unknown_state: str = "error",
+        product_decay: float | None = None,
+        product_max: float | None = None,
+        eps: float = 1e-12,
+        backend: str = "auto",
+    ) -> None:
+        if model is None and sites is None:
+            raise GaugeError("FusedGaugeFix: pass a model or sites=find_attention(model)")
+        self.sites = find_attention(model) if sites is None else list(sites)
+        self.plans = plan_pairs(self.sites, kinds=("qk", "vo") if vo else ("qk",), granularity=granularity,
+                                vo_granularity=vo_granularity, mode=mode)
+        self.optimizer = optimizer
+        self._torch_kw = dict(granularity=granularity, sites=self.sites, vo=vo, vo_granularity=vo_granularity, mode=mode,
+                              transport_state=transport_state, unknown_state=unknown_state,
+                              product_decay=product_decay, product_max=product_max, eps=eps)
+        self._triton_kw = dict(unknown_state=unknown_state, product_decay=product_decay, product_max=product_max, eps=eps)
+        self._state_opt = optimizer if transport_state else None
+        device = self.plans[0].a.members[0][1].param.device
+        self.decision = dispatch.choose("gauge_fix", device, backend=backend, module="gaugefix_triton",
+                                        unsupported=_gaugefix_unsupported(self.plans, self._state_opt))
+        self._prepared = None
+        self._fingerprint = None
+
+    def __call__(self) -> GaugeFixReport:
+        if self.decision.backend == "torch":
+            from .gaugefix_reference import gauge_fix_reference
+
+            kw = dict(self._torch_kw)
+            return gauge_fix_reference(None, self.optimizer, kw.pop("granularity"), **kw)
+        from .gaugefix_triton import fingerprint, prepare_fix
+
+        fp = fingerprint(self.plans, self._state_opt)
+        if self._prepared is None or not self._prepared.reusable or fp != self._fingerprint:
+            self._prepared = prepare_fix(self.plans, self._state_opt, **self._triton_kw)
+            self._fingerprint = fingerprint(self.plans, self._state_opt)  # after a "reset" dropped state
+        return self._prepared.run()
 
 
 # ---------------------------------------------------------------------- projection (closed forms)

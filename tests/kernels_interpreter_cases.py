@@ -262,3 +262,30 @@ def test_dense_sectors_are_refused_when_forced_and_fall_back_under_auto():
     got = fused_vertical(model, u, "qk")  # auto on CPU: the projector
     assert dispatch.last_decision("project_qk").backend == "torch"
     assert_same_fields(vertical_reference(model, u, "qk"), got, torch.float64)
+
+
+def test_fused_gauge_fix_object_reuses_its_tables_across_steps(monkeypatch):
+    """FusedGaugeFix packs once while storage stays put, re-packs when the state is reallocated."""
+    from gaugeopt.kernels import FusedGaugeFix
+
+    packs = []
+    real = gft._pack
+    monkeypatch.setattr(gft, "_pack", lambda *a: packs.append(1) or real(*a))
+    model = odd_gpt(lrm=True)
+    opt = _setup(model)
+    m2, o2 = twin(model, opt)
+    fix = FusedGaugeFix(m2, o2, vo=True, backend="triton")
+    assert fix.decision.backend == "triton"
+    for step in range(3):
+        r1, r2 = gauge_fix_reference(model, opt, vo=True), fix()
+        assert_same_fix(model, opt, r1, m2, o2, r2, torch.float64)
+        train_steps(model, opt, 1, seed=10 + step)
+        train_steps(m2, o2, 1, seed=10 + step)
+    assert len(packs) == 1
+    opt.state.clear()
+    o2.state.clear()
+    train_steps(model, opt, 1, seed=20)
+    train_steps(m2, o2, 1, seed=20)
+    r1, r2 = gauge_fix_reference(model, opt, vo=True), fix()
+    assert_same_fix(model, opt, r1, m2, o2, r2, torch.float64)
+    assert len(packs) == 2
