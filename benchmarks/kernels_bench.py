@@ -260,6 +260,7 @@ def main(argv=None) -> int:
                 gc.collect()
                 if on_gpu:
                     torch.cuda.empty_cache()
+                md_path.write_text(markdown(rows, name, peak, copy_gbps, time.time() - t_start, on_gpu))  # so far
     md = markdown(rows, name, peak, copy_gbps, time.time() - t_start, on_gpu)
     md_path.write_text(md)
     print("\n" + md)
