@@ -324,9 +324,11 @@ class GaugeProjector:
         self._rtol_now = default_rtol(self._dtype_now) if self.rtol is None else self.rtol
         self._cg_tol_now = default_rtol(self._dtype_now) if self.cg_tol is None else self.cg_tol
 
-    def _vertical_family(self, ctx, preps, family, work, record=None, coeffs=None):
-        names = [n for s in family for n in self._sector_names(s)]
-        out = {n: torch.zeros_like(work[n]) for n in dict.fromkeys(names)}
+    def _vertical_family(self, ctx, preps, family, work, record=None, coeffs=None, out=None):
+        """Add the family's vertical part of ``work`` into ``out`` (zeros over its names by default)."""
+        if out is None:
+            names = [n for s in family for n in self._sector_names(s)]
+            out = {n: torch.zeros_like(work[n]) for n in dict.fromkeys(names)}
         rec = record
         if coeffs is not None:
             def rec(sector, unit, coef, vsq, usq):
@@ -384,19 +386,44 @@ class GaugeProjector:
         """
         tol = default_rtol(self._dtype_now) if self.joint_tol is None else self.joint_tol
         names = list(u)
-        zero = lambda: {n: torch.zeros_like(u[n]) for n in names}  # noqa: E731
+        if len({t.device for t in u.values()}) == 1:
+            # one flat buffer: the CG vector operations are single kernels, the sectors see views
+            sizes, shapes = [u[n].numel() for n in names], [u[n].shape for n in names]
 
-        def P(fam, x, c=None):
-            out = zero()
-            for n, t in self._vertical_family(ctx, preps, fam, x, coeffs=c).items():
-                out[n] = t
-            return out
+            def views(flat):
+                return {n: t.view(shape) for n, t, shape in zip(names, flat.split(sizes), shapes)}
 
-        def axpy(a, x, y):  # y + a·x
-            return {n: y[n] + a * x[n] for n in names}
+            U = torch.cat([u[n].reshape(-1) for n in names])
 
-        def dot(x, y):
-            return sum(float((x[n] * y[n]).sum()) for n in names)
+            def P(fam, x, c=None):
+                out = torch.zeros_like(U)
+                self._vertical_family(ctx, preps, fam, views(x), coeffs=c, out=views(out))
+                return out
+
+            def axpy(a, x, y):
+                return y + a * x
+
+            def dot(x, y):
+                return float(torch.dot(x, y))
+
+            zero = lambda: torch.zeros_like(U)  # noqa: E731
+            u_vec, unflat = U, views
+        else:  # parameters on several devices: the same algorithm on dicts of tensors
+            zero = lambda: {n: torch.zeros_like(u[n]) for n in names}  # noqa: E731
+
+            def P(fam, x, c=None):
+                out = zero()
+                self._vertical_family(ctx, preps, fam, x, coeffs=c, out=out)
+                return out
+
+            def axpy(a, x, y):
+                return {n: y[n] + a * x[n] for n in names}
+
+            def dot(x, y):
+                return sum(float((x[n] * y[n]).sum()) for n in names)
+
+            u_vec, unflat = u, lambda d: d
+        u = u_vec
 
         unorm = math.sqrt(dot(u, u)) or 1.0
         a1 = zero()
@@ -428,7 +455,7 @@ class GaugeProjector:
             )
         a1 = P(fam1, a1, coeffs)  # coefficients of both parts, in Lie-algebra coordinates
         a2 = P(fam2, axpy(-1.0, a1, u), coeffs)
-        vert = {n: a1[n] + a2[n] for n in names}
+        vert = unflat(axpy(1.0, a1, a2))
         return vert, {"joint_iterations": iters, "joint_residual": res}
 
     # ------------------------------------------------------------------ public API

@@ -21,14 +21,6 @@ from gaugeopt.structure import Projection
 from gaugeopt.testing import randomize_parameters
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _invariant_grad(case) -> dict[str, torch.Tensor]:
     """Gradient of a gauge-invariant loss (any function of the logits)."""
     model = case.model

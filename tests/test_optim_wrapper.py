@@ -19,14 +19,6 @@ from gaugeopt.projection import GaugeProjector
 from gaugeopt.testing import randomize_parameters
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 VOCAB, T = 32, 12
 
 

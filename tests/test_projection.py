@@ -20,15 +20,6 @@ from gaugeopt.projection import SECTORS, GaugeProjector, project
 from gaugeopt.testing import randomize_parameters
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny batched linear algebra: threads only add synchronisation cost
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 LRM_SECTORS = ("lrm_qk", "lrm_vo", "lrm_internal")
 SECTOR_CASES = [(n, lrm, s) for n, lrm in zoo.CASES for s in ("qk", "vo") + (LRM_SECTORS if lrm else ())]
 SECTOR_IDS = [f"{n}{'+lrm' if lrm else ''}-{s}" for n, lrm, s in SECTOR_CASES]
