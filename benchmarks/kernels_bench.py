@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
-import math
 import os
 import platform
 import re

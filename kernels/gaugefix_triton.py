@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gaugeopt.distributed import is_dtensor
 from gaugeopt.drift import PairPlan, _check_eps
 from gaugeopt.errors import GaugeError
 from gaugeopt.gaugefix import GaugeFixReport, PairRecord
@@ -270,27 +271,20 @@ def _layouts(sc: int, sx: int, n_cols: int) -> set[int]:
     return ok
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from gaugeopt.distributed import is_dtensor
-
-    return is_dtensor(t)
-
-
 def unsupported_reason(plans: Sequence[PairPlan], optimizer=None) -> str | None:
     """Why the fused kernel cannot take these plans (``None`` when it can)."""
     if not plans:
         return "no plans (the model has no attention site to fix)"
-    devices, dtypes = set(), set()
+    devices = set()
     for plan in plans:
         for side in (plan.a, plan.b):
             for role, ref in side.members:
                 p = ref.param
-                if _is_dtensor(p):
+                if is_dtensor(p):
                     return f"{ref.name} is a DTensor (FSDP2): the fused kernel edits local storage only"
                 if p.dtype not in SUPPORTED_DTYPES:
                     return f"{ref.name} has dtype {p.dtype}; the kernel supports {SUPPORTED_DTYPES}"
                 devices.add(p.device)
-                dtypes.add(p.dtype)
         if len({ref.param.dtype for s in (plan.a, plan.b) for _, ref in s.members}) > 1:
             return f"{plan.site.name}: the {plan.kind} tensors mix dtypes"
     if len(devices) > 1:
@@ -303,7 +297,7 @@ def unsupported_reason(plans: Sequence[PairPlan], optimizer=None) -> str | None:
                 for _, ref in side.members:
                     for key, v in (opt.state.get(ref.param) or {}).items():
                         if torch.is_tensor(v) and v.dim() > 0 and v.shape == ref.param.shape:
-                            if _is_dtensor(v):
+                            if is_dtensor(v):
                                 return f"the state {key!r} of {ref.name} is a DTensor (FSDP2)"
                             if v.dtype not in SUPPORTED_DTYPES:
                                 return f"the state {key!r} of {ref.name} has dtype {v.dtype}"

@@ -20,11 +20,12 @@ import torch
 
 import gaugeopt
 import zoo
-from gaugeopt.drift import plan_pairs
-from gaugeopt.kernels import dispatch, fused_gauge_fix
+from gaugeopt.kernels import FusedGaugeFix, dispatch, fused_gauge_fix, fused_project, fused_vertical
 from gaugeopt.kernels import gaugefix_triton as gft
+from gaugeopt.kernels import projection_triton as pjt
 from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
-from kernel_helpers import TOL, assert_same_fix, odd_gpt, train_steps, twin
+from gaugeopt.kernels.projection_reference import project_reference, vertical_reference
+from kernel_helpers import TOL, assert_same_fields, assert_same_fix, odd_gpt, random_field, train_steps, twin
 
 DTYPES = [torch.float32, torch.float64]
 F32, F64 = torch.float32, torch.float64
@@ -183,10 +184,6 @@ def test_docstring_example_runs():
 
 
 # ---------------------------------------------------------------------- closed-form projections
-from gaugeopt.kernels import fused_project, fused_vertical  # noqa: E402
-from gaugeopt.kernels import projection_triton as pjt  # noqa: E402
-from gaugeopt.kernels.projection_reference import project_reference, vertical_reference  # noqa: E402
-from kernel_helpers import assert_same_fields, random_field  # noqa: E402
 
 PROJ = [  # (model, sectors, dtype, small tiles): tiles are dtype-independent, rounding is not
     ("odd_full_rope", ("qk",), torch.float64, True),  # 5 planes per head, 37 (+1 bias) columns, n_rep = 3
@@ -266,8 +263,6 @@ def test_dense_sectors_are_refused_when_forced_and_fall_back_under_auto():
 
 def test_fused_gauge_fix_object_reuses_its_tables_across_steps(monkeypatch):
     """FusedGaugeFix packs once while storage stays put, re-packs when the state is reallocated."""
-    from gaugeopt.kernels import FusedGaugeFix
-
     packs = []
     real = gft._pack
     monkeypatch.setattr(gft, "_pack", lambda *a: packs.append(1) or real(*a))
