@@ -15,7 +15,7 @@ Rows: ``gaugefix`` (Q/K, granularity auto), ``proj_lrm_qk`` (diagonal multiplier
 On CUDA: ``triton.testing.do_bench`` medians, the minimum traffic of each op (every tensor
 read once, every output written once) over the time, against the device's datasheet
 bandwidth and a measured device-to-device copy. On CPU: the torch path only, timed by
-``perf_counter`` medians, as a multiple of one AdamW step over the same parameters (Triton
+``perf_counter`` (the fastest of a few runs), as a multiple of one AdamW step over the same parameters (Triton
 does not run there: the interpreter is a test tool, not a benchmark).
 
 Results: ``benchmarks/results/kernels_<device>.csv`` (one row per measurement, written as it
@@ -34,7 +34,6 @@ import gc
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -127,13 +126,13 @@ def timer(device: torch.device, reps: int):
 
     def cpu(fn):
         t0 = time.perf_counter()
-        fn()  # warm-up; a slow op (> 1 s) is timed once more, not `reps` times
+        fn()  # warm-up; a slow op (> 1 s) is timed twice, not `reps` times
         ts = []
-        for _ in range(reps if time.perf_counter() - t0 < 1.0 else 1):
+        for _ in range(reps if time.perf_counter() - t0 < 1.0 else 2):
             t0 = time.perf_counter()
             fn()
             ts.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(ts)
+        return min(ts)  # the least disturbed run: CPU machines are often shared
 
     return cpu
 
@@ -154,6 +153,66 @@ def device_info(device: torch.device) -> tuple[str, float | None, float | None]:
     return name, peak, copy
 
 
+def measure(model: str, params: str, layers: int, device: torch.device, bench, record, compile_models) -> None:
+    """Every row of one stack (``params``: "lrm" or "plain"); ``record(op, backend, ms, bytes, adamw_ms, note)``."""
+    on_gpu = device.type == "cuda"
+    full = MODELS[model]["n_layer"]
+    stack, sites, opt = build(model, params == "lrm", layers, device)
+    print(f"{model} ({layers}/{full} layers, {params}, "
+          f"{sum(p.numel() for p in stack.parameters()) / 1e6:.0f}M attention parameters)", flush=True)
+    adamw_ms = bench(opt.step)
+    record("adamw_step", "torch", adamw_ms, None, adamw_ms, "the baseline")
+    opt.zero_grad(set_to_none=True)  # the gradients are not needed any more (memory)
+    compiled = model in compile_models
+    # ---- GaugeFix
+    gb = gaugefix_bytes(sites, opt)
+    eager = lambda: gauge_fix_reference(None, opt, sites=sites)  # noqa: E731
+    record("gaugefix", "torch", bench(eager), gb, adamw_ms)
+    if on_gpu:
+        record("gaugefix", "triton",
+               bench(lambda: fused_gauge_fix(None, opt, sites=sites, backend="triton")), gb, adamw_ms,
+               "plans, packs and launches each call")
+        fix = FusedGaugeFix(None, opt, sites=sites, backend="triton")
+        record("gaugefix", "triton-cached", bench(fix), gb, adamw_ms,
+               "FusedGaugeFix: packed once")
+    if compiled:
+        cf = torch.compile(eager)
+        t0 = time.time()
+        cf()
+        record("gaugefix", "torch.compile", bench(cf), gb, adamw_ms,
+               f"first call {time.time() - t0:.0f} s")
+    # ---- projections
+    u = {n: torch.randn_like(p) for n, p in stack.named_parameters()}
+    sectors = (["lrm_qk"] if params == "lrm" else []) + ["qk"]
+    for sector in sectors:
+        closed = sector == "lrm_qk" or sites[0].rope.active
+        modes = ("exact",) if closed else ("exact", "approx")
+        for mode in modes:
+            proj = GaugeProjector(stack, sectors=(sector,), mode=mode, sites=sites)
+            op = f"proj_{sector}" + ("" if closed else f"_{mode}")
+            sb = sector_bytes(sites, sector)
+            ref = lambda: proj.vertical(u)  # noqa: E731
+            record(op, "torch", bench(ref), sb, adamw_ms,
+                   "closed form" if closed else "Sylvester (batched eigh)")
+            if on_gpu and closed:
+                record(op, "triton",
+                       bench(lambda: fused_vertical(stack, u, sector, sites=sites, backend="triton")),
+                       sb, adamw_ms, "packs and launches each call")
+            if compiled and closed:
+                cr = torch.compile(ref)
+                t0 = time.time()
+                cr()
+                record(op, "torch.compile", bench(cr), sb, adamw_ms,
+                       f"first call {time.time() - t0:.0f} s")
+    proj = GaugeProjector(stack, sectors=("vo",), sites=sites)
+    record("proj_vo_exact", "torch", bench(lambda: proj.vertical(u)),
+           sector_bytes(sites, "vo"), adamw_ms, "Sylvester (batched eigh)")
+    del stack, sites, opt, u, proj
+    gc.collect()
+    if on_gpu:
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------- the run
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -163,7 +222,7 @@ def main(argv=None) -> int:
                     help="layers per stack (0: all; default 1 on CPU, all on CUDA); times scale with layers")
     ap.add_argument("--compile", default=None,
                     help="models whose torch.compile rows to measure (comma list, 'none'; default gpt2-124m on CUDA, none on CPU)")
-    ap.add_argument("--reps", type=int, default=3, help="CPU repetitions (median)")
+    ap.add_argument("--reps", type=int, default=3, help="CPU repetitions (the fastest counts)")
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting new models after this many seconds")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--tag", default="", help="suffix of the result file names")
@@ -205,57 +264,11 @@ def main(argv=None) -> int:
             full = MODELS[model]["n_layer"]
             layers = full if max_layers == 0 else min(full, max_layers)
             for params in ("lrm", "plain"):
-                stack, sites, opt = build(model, params == "lrm", layers, device)
-                print(f"{model} ({layers}/{full} layers, {params}, "
-                      f"{sum(p.numel() for p in stack.parameters()) / 1e6:.0f}M attention parameters)", flush=True)
-                adamw_ms = bench(opt.step)
-                record(model, layers, params, "adamw_step", "torch", adamw_ms, None, adamw_ms, "the baseline")
-                opt.zero_grad(set_to_none=True)  # the gradients are not needed any more (memory)
-                compiled = model in compile_models
-                # ---- GaugeFix
-                gb = gaugefix_bytes(sites, opt)
-                eager = lambda: gauge_fix_reference(None, opt, sites=sites)  # noqa: E731
-                record(model, layers, params, "gaugefix", "torch", bench(eager), gb, adamw_ms)
-                if on_gpu:
-                    record(model, layers, params, "gaugefix", "triton",
-                           bench(lambda: fused_gauge_fix(None, opt, sites=sites, backend="triton")), gb, adamw_ms,
-                           "plans, packs and launches each call")
-                    fix = FusedGaugeFix(None, opt, sites=sites, backend="triton")
-                    record(model, layers, params, "gaugefix", "triton-cached", bench(fix), gb, adamw_ms,
-                           "FusedGaugeFix: packed once")
-                if compiled:
-                    cf = torch.compile(eager)
-                    t0 = time.time()
-                    cf()
-                    record(model, layers, params, "gaugefix", "torch.compile", bench(cf), gb, adamw_ms,
-                           f"first call {time.time() - t0:.0f} s")
-                # ---- projections
-                u = {n: torch.randn_like(p) for n, p in stack.named_parameters()}
-                sectors = (["lrm_qk"] if params == "lrm" else []) + ["qk"]
-                for sector in sectors:
-                    closed = sector == "lrm_qk" or sites[0].rope.active
-                    modes = ("exact",) if closed else ("exact", "approx")
-                    for mode in modes:
-                        proj = GaugeProjector(stack, sectors=(sector,), mode=mode, sites=sites)
-                        op = f"proj_{sector}" + ("" if closed else f"_{mode}")
-                        sb = sector_bytes(sites, sector)
-                        ref = lambda: proj.vertical(u)  # noqa: E731
-                        record(model, layers, params, op, "torch", bench(ref), sb, adamw_ms,
-                               "closed form" if closed else "Sylvester (batched eigh)")
-                        if on_gpu and closed:
-                            record(model, layers, params, op, "triton",
-                                   bench(lambda: fused_vertical(stack, u, sector, sites=sites, backend="triton")),
-                                   sb, adamw_ms, "packs and launches each call")
-                        if compiled and closed:
-                            cr = torch.compile(ref)
-                            t0 = time.time()
-                            cr()
-                            record(model, layers, params, op, "torch.compile", bench(cr), sb, adamw_ms,
-                                   f"first call {time.time() - t0:.0f} s")
-                proj = GaugeProjector(stack, sectors=("vo",), sites=sites)
-                record(model, layers, params, "proj_vo_exact", "torch", bench(lambda: proj.vertical(u)),
-                       sector_bytes(sites, "vo"), adamw_ms, "Sylvester (batched eigh)")
-                del stack, sites, opt, u, proj
+                try:
+                    measure(model, params, layers, device, bench,
+                            lambda *a, **k: record(model, layers, params, *a, **k), compile_models)
+                except torch.cuda.OutOfMemoryError as err:  # recorded, and the next stack still runs
+                    record(model, layers, params, "all", "-", None, None, float("nan"), f"out of memory: {err}"[:200])
                 gc.collect()
                 if on_gpu:
                     torch.cuda.empty_cache()
@@ -273,7 +286,7 @@ def markdown(rows: list[dict], name: str, peak, copy_gbps, seconds: float, on_gp
         head.append(f"Memory bandwidth: datasheet {peak or 'unknown'} GB/s, measured device copy {copy_gbps:.0f} GB/s. "
                     "Times: `triton.testing.do_bench` medians (ms per call).")
     else:
-        head.append("Torch path only (Triton needs a GPU). Times: medians of `perf_counter` (ms per call); "
+        head.append("Torch path only (Triton needs a GPU). Times: fastest of 3 `perf_counter` runs (2 above 1 s; ms per call); "
                     "`×AdamW`: the call's time over one AdamW step of the same (attention-only) parameters.")
     head += [f"Run took {seconds:.0f} s.", ""]
     by = {}
