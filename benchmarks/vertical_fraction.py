@@ -123,8 +123,9 @@ def cost(model: GPT, lrm: bool, data, args, reps: int, B: int, T: int, label: st
     device = args.device
     plain, wrapped_model = model, copy.deepcopy(model)
     opt = adamw(plain, lrm, 1e-4)
-    wopt = gaugeopt.GaugeProjected(adamw(wrapped_model, lrm, 1e-4), wrapped_model)
-    exact, approx = GaugeProjector(plain, mode="exact"), GaugeProjector(plain, mode="approx")
+    sectors = args.sectors.split(",") if args.sectors != "auto" else "auto"
+    wopt = gaugeopt.GaugeProjected(adamw(wrapped_model, lrm, 1e-4), wrapped_model, sectors=sectors)
+    exact, approx = GaugeProjector(plain, sectors, mode="exact"), GaugeProjector(plain, sectors, mode="approx")
     gen = torch.Generator().manual_seed(2)
     times: dict[str, list[float]] = {"step": [], "exact": [], "approx": [], "wrapped_step": []}
 
@@ -206,13 +207,15 @@ def main() -> None:
     ap.add_argument("--gpt2", action="store_true", help="also time a GPT-2-small-shaped model")
     ap.add_argument("--gpt2-tokens", type=str, default="2x128", help="B×T of the GPT-2-small-shaped cost run")
     ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
+    ap.add_argument("--sectors", default="auto", help="sectors projected in the cost block, e.g. qk,vo,lrm_qk,lrm_vo")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     data, vocab = corpus()
-    result: dict = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(), "lrm": args.lrm}
+    result: dict = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(), "lrm": args.lrm,
+                    "sectors": args.sectors}
     if args.device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name()
     t0 = time.time()

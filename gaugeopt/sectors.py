@@ -66,6 +66,7 @@ import torch
 
 from .errors import GaugeError
 from .structure import AttentionSite, TensorRef
+from . import sylvester
 from .sylvester import SylvesterInverse, psd_solve, twisted_cg
 
 __all__ = ["DenseSector"]
@@ -340,7 +341,7 @@ def _rep_twist(t: torch.Tensor | None, gram: torch.Tensor, n: int, ref: torch.Te
 
 
 def _batch_prepare(sts: list[_SiteState], ctx) -> _Batch:
-    Ph, Rh, la, ga, ls, gs = [], [], [], [], [], []
+    Ph, Rh, la, ga, ls, gs, tall = [], [], [], [], [], [], []
     uniform = True
     for st in sts:
         F = st.free
@@ -359,14 +360,30 @@ def _batch_prepare(sts: list[_SiteState], ctx) -> _Batch:
             ga.append(gam.pow(-2))
         ls.append(_rep_twist(lam, ph, len(F), A))
         gs.append(_rep_twist(gam, rh, len(F), A))
+        tall.append((At, Bt))
     Ph, Rh = torch.cat(Ph), torch.cat(Rh)
     l, g = torch.cat(ls), torch.cat(gs)
     b = _Batch(Ph, Rh, torch.cat(la) if la else None, torch.cat(ga) if ga else None, l, g, uniform)
     # Reparametrised Sylvester pair P̃ = Γ(ΣP̂)Γ, R̃ = Λ(ΣR̂)Λ: exact when uniform, the preconditioner otherwise.
     Pt = Ph.sum(1) * g[:, :, None] * g[:, None, :]
     Rt = Rh.sum(1) * l[:, :, None] * l[:, None, :]
-    b.inv = SylvesterInverse(Pt, Rt, ctx.rtol, regularize=not uniform and ctx.mode == "exact")
+    factors = None
+    if sylvester.gram_eig_backend(Pt, ()) == "svd":  # P̃ = F_P F_Pᵀ with F_P = [Γ Λ_k a_k]_k (tall: k·m ≥ n)
+        fp = _pad_width_cat([_stack_members(At) for At, _ in tall]) * g[:, :, None]
+        fr = _pad_width_cat([_stack_members(Bt) for _, Bt in tall]) * l[:, :, None]
+        factors = (fp, fr)
+    b.inv = SylvesterInverse(Pt, Rt, ctx.rtol, regularize=not uniform and ctx.mode == "exact", factors=factors)
     return b
+
+
+def _stack_members(X: torch.Tensor) -> torch.Tensor:
+    """``(G, k, n, m) -> (G, n, k·m)``: the members side by side, so that ``F Fᵀ = Σ_k X_k X_kᵀ``."""
+    G, k, n, m = X.shape
+    return X.permute(0, 2, 1, 3).reshape(G, n, k * m)
+
+
+def _pad_width_cat(mats: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(sylvester._pad_width(*mats), 0)
 
 
 def _batch_solve(b: _Batch, SA: torch.Tensor, SB: torch.Tensor, ctx, name: str) -> torch.Tensor:

@@ -381,3 +381,26 @@ def test_docstring_examples_run():
         assert result.failed == 0 and result.attempted > 0, name
     assert gaugeopt.GaugeProjected is importlib.import_module("gaugeopt.optim").GaugeProjected
     assert gaugeopt.vertical_fraction is importlib.import_module("gaugeopt.diagnostics").vertical_fraction
+
+
+@pytest.mark.parametrize("name, lrm", [("gpt", False), ("gpt_gqa", False), ("torch_mha_kdim", False), ("gpt_rope_partial_split_half", True), ("hf_llama", True)])
+@pytest.mark.parametrize("mode", ["exact", "approx"])
+def test_gram_eigendecomposition_backends_agree(name, lrm, mode, monkeypatch):
+    """The GPU fast path (eigenpairs of P = F Fᵀ from the SVD of the tall factor, used on CUDA for
+    n > 32) gives the projection of the eigh path, on CPU here; rank-deficient heads included."""
+    from gaugeopt import sylvester
+
+    model = zoo.build(name, lrm=lrm).model
+    u = H.random_field(model, seed=11)
+    results = {}
+    for backend in ("eigh", "svd"):
+        monkeypatch.setattr(sylvester, "GRAM_EIG", backend)
+        results[backend] = GaugeProjector(model, sectors=("qk", "vo"), mode=mode).decompose(u).vertical
+    diff = {n: results["svd"][n] - results["eigh"][n] for n in results["eigh"]}
+    assert H.norm(diff) <= 1e-11 * H.norm(results["eigh"])
+    _degenerate(model)
+    for backend in ("eigh", "svd"):
+        monkeypatch.setattr(sylvester, "GRAM_EIG", backend)
+        results[backend] = GaugeProjector(model, sectors=("qk", "vo"), mode=mode).decompose(u).vertical
+    diff = {n: results["svd"][n] - results["eigh"][n] for n in results["eigh"]}
+    assert H.norm(diff) <= 1e-10 * H.norm(results["eigh"])
