@@ -154,7 +154,7 @@ def vertical_report(
         info=dict(dec.info),
     )
     for s in proj.sectors:
-        one = proj.decompose(given, sectors=(s,), at=at)
+        one = proj.decompose(given, sectors=(s,), at=at, norms=True)
         rep.sectors[s] = math.sqrt(_sq(one.vertical) / total)
         for (sec, unit), (vsq, usq) in one.norms.items():
             key = (sec, unit.split("[")[0])

@@ -79,7 +79,8 @@ class GaugeProjected(torch.optim.Optimizer):
 
     Attributes:
         last_vertical_fraction: ``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient),
-            over the gauge parameters; ``nan`` before the first step.
+            over the gauge parameters; ``nan`` before the first step (read lazily: no host
+            synchronisation in the step itself).
     """
 
     _step_supports_amp_scaling = False  # GradScaler unscales and skips inf steps for us
@@ -119,7 +120,7 @@ class GaugeProjected(torch.optim.Optimizer):
         self.projector_kwargs = projector_kwargs
         self._steps = 0
         self._fixes = 0
-        self.last_vertical_fraction = math.nan
+        self._last = None
         self._projector: GaugeProjector | None = None
         self._check_coverage()
 
@@ -220,9 +221,18 @@ class GaugeProjected(torch.optim.Optimizer):
         return loss
 
     def _record(self, vert, field) -> None:
-        tot = sum(float(t.double().square().sum()) for t in field.values() if t is not None)
-        v = sum(float(t.double().square().sum()) for t in vert.values())
-        self.last_vertical_fraction = math.sqrt(v / tot) if tot > 0 else 0.0
+        # kept as device tensors: no host synchronisation unless someone reads the fraction
+        tot = sum(t.detach().double().square().sum() for t in field.values() if t is not None)
+        v = sum(t.double().square().sum() for t in vert.values())
+        self._last = (v, tot)
+
+    @property
+    def last_vertical_fraction(self) -> float:
+        """``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient) over the gauge parameters."""
+        if self._last is None:
+            return math.nan
+        v, tot = (float(x) for x in self._last)
+        return math.sqrt(v / tot) if tot > 0 else 0.0
 
     def fix(self):
         """Run ``gaugeopt.gauge_fix(model, optimizer=inner, **fix_kwargs)`` now; returns its report."""
@@ -299,7 +309,7 @@ class GaugeProjected(torch.optim.Optimizer):
             "projector_kwargs": self.projector_kwargs,
             "_steps": self._steps,
             "_fixes": self._fixes,
-            "last_vertical_fraction": self.last_vertical_fraction,
+            "_last": self._last,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:

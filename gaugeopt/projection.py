@@ -106,8 +106,8 @@ class Decomposition:
         coefficients: ``{(sector, unit): tensor}`` Lie-algebra coordinates of ``vertical``
             (``X``/``Y`` per KV group as ``(h_kv, n, n)``, ``t`` per diagonal set, ``(x, y)`` per
             LRM block); summed over the sweeps of a joint projection.
-        norms: ``{(sector, unit): (‖u_vert‖², ‖u‖²)}`` over the unit's entries (single pass
-            of each sector on ``u``; not filled for joint projections).
+        norms: ``{(sector, unit): (‖u_vert‖², ‖u‖²)}`` over the unit's entries (with
+            ``decompose(..., norms=True)``; not filled for joint projections).
         info: solver facts: ``cg_iterations``, ``cg_residual``, ``joint_iterations``, ``joint_residual``.
     """
 
@@ -340,7 +340,14 @@ class GaugeProjector:
             self._impl[s].apply(ctx, preps[s], _accessor(work), _accessor(out), rec)
         return out
 
-    def decompose(self, tensors: Tensors, *, sectors: Sequence[str] | None = None, at: Mapping[str, torch.Tensor] | None = None) -> Decomposition:
+    def decompose(
+        self,
+        tensors: Tensors,
+        *,
+        sectors: Sequence[str] | None = None,
+        at: Mapping[str, torch.Tensor] | None = None,
+        norms: bool = False,
+    ) -> Decomposition:
         """Vertical and horizontal parts of ``tensors`` over the sectors' parameters.
 
         Args:
@@ -348,6 +355,7 @@ class GaugeProjector:
             sectors: a subset of :attr:`sectors` (default all of them).
             at: ``{name: tensor}`` weights of the point θ to project at (default: the model's
                 current parameters; entries not given are read from the model).
+            norms: fill :attr:`Decomposition.norms` (one host synchronisation per unit).
         """
         secs = self._resolve(sectors)
         given, _ = self._as_dict(tensors)
@@ -357,7 +365,8 @@ class GaugeProjector:
         ctx = _Ctx(self, at)
         preps = {s: self._impl[s].prepare(ctx) for s in secs}
         coeffs: dict = {}
-        norms: dict = {}
+        unit_norms: dict = {}
+        want_norms = norms
         fam1 = [s for s in secs if s not in _OVERLAPPING]
         fam2 = [s for s in secs if s in _OVERLAPPING]
         if fam2:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same joint span, better conditioned
@@ -365,15 +374,15 @@ class GaugeProjector:
         info = ctx.info
         if not fam1 or not fam2:
             def record(sector, unit, coef, vsq, usq):
-                norms[(sector, unit)] = (float(vsq), float(usq))
-            vert = self._vertical_family(ctx, preps, fam1 or fam2, work, record, coeffs)
+                unit_norms[(sector, unit)] = (float(vsq), float(usq))
+            vert = self._vertical_family(ctx, preps, fam1 or fam2, work, record if want_norms else None, coeffs)
             info.update(joint_iterations=0, joint_residual=0.0)
         else:
             vert, info_j = self._joint(ctx, preps, fam1, fam2, work, coeffs)
             info.update(info_j)
         hor = {n: work[n] - vert[n] for n in names}
         self.last_info = dict(info)
-        return Decomposition(vert, hor, coeffs, norms, dict(info))
+        return Decomposition(vert, hor, coeffs, unit_norms, dict(info))
 
     def _joint(self, ctx, preps, fam1, fam2, u, coeffs):
         """Projection onto ``V1 + V2`` for two overlapping families with exact projectors ``P1, P2``.
