@@ -298,6 +298,7 @@ def gauge_fix(
     product_decay: float | None = None,
     product_max: float | None = None,
     eps: float = 1e-12,
+    backend: str = "auto",
 ) -> GaugeFixReport:
     """Balance the Q/K (and optionally V/O) gauge of every attention layer, in place.
 
@@ -322,6 +323,10 @@ def gauge_fix(
             symmetrically (changes the function on purpose).
         product_max: cap each slot's ``s_Q·s_K`` at this value, symmetrically.
         eps: ε of eq. 4 (> 0).
+        backend: ``"auto"`` (the fused Triton kernel of :mod:`gaugeopt.kernels` on CUDA
+            tensors when Triton is importable, this torch code otherwise), ``"triton"`` or
+            ``"torch"`` to force one; the environment variable ``GAUGEOPT_BACKEND`` overrides
+            ``"auto"``. Forcing Triton where it cannot run raises :class:`GaugeError`.
 
     Returns:
         :class:`GaugeFixReport` (drift and scale product before/after per layer, heads fixed,
@@ -339,6 +344,10 @@ def gauge_fix(
     sites = find_attention(model) if sites is None else list(sites)
     kinds = ("qk", "vo") if vo else ("qk",)
     plans = plan_pairs(sites, kinds=kinds, granularity=granularity, vo_granularity=vo_granularity, mode=mode)
+    fused = _fused(plans, optimizer if transport_state else None, backend=backend, unknown_state=unknown_state,
+                   product_decay=product_decay, product_max=product_max, eps=eps)
+    if fused is not None:
+        return fused
 
     # (b) read every statistic first (fused parameters hold several sides), then balance in batches
     stats = [(read_mean_squares(p.a, p.h_kv), read_mean_squares(p.b, p.h_kv)) for p in plans]
@@ -359,11 +368,27 @@ def gauge_fix(
     outcome = apply_factors(plans, factors, optimizer if transport_state else None, unknown_state=unknown_state)
 
     report = GaugeFixReport(**outcome)
-    for plan, (b, r) in zip(plans, results):
-        changed = ((b.gauge_a[r] * b.magnitude[r]) != 1).any(-1)  # (h_kv,)
+    # a group counts as fixed when its factor differs from 1 by more than rounding; one host sync
+    changed = [
+        ((b.gauge_a[r] * b.magnitude[r] - 1).abs() > 4 * torch.finfo(b.gauge_a.dtype).eps).any(-1).sum()
+        for b, r in results
+    ]
+    counts = torch.stack(changed).tolist() if changed else []
+    for plan, (b, r), n in zip(plans, results, counts):
         report.pairs.append(PairRecord(
             plan.site.name, plan.site.layer_index, plan.kind, plan.mode, plan.granularity,
             b.drift_before[r], b.drift_after[r], b.product_before[r], b.product_after[r],
-            int(changed.sum()) * (plan.site.n_rep if plan.kind == "qk" else 1),
+            int(n) * (plan.site.n_rep if plan.kind == "qk" else 1),
         ))
     return report
+
+
+def _fused(plans, optimizer, *, backend: str, **options) -> GaugeFixReport | None:
+    """The fused kernel's report, or ``None`` when the dispatch keeps this torch code."""
+    try:
+        from .kernels.ops import try_fused_gauge_fix
+    except ModuleNotFoundError as err:  # gaugeopt used from a source tree without kernels/ installed
+        if backend == "triton":
+            raise GaugeError(f"backend='triton' but gaugeopt.kernels is not installed ({err}); pip install -e .") from err
+        return None
+    return try_fused_gauge_fix(plans, optimizer, backend=backend, **options)

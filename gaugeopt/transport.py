@@ -188,9 +188,7 @@ def rescale_state(
         for key in _shaped_keys(state, param):
             k = rule[key]
             if k:
-                t = local_view(state[key])
-                f = local_factor(factor, state[key]).to(t.dtype)
-                t.div_(f if k == 1 else f * f)
+                _scale_(local_view(state[key]), local_factor(factor, state[key]), -k)
     return what
 
 
@@ -198,7 +196,19 @@ def rescale_state(
 def rescale_param(param: torch.Tensor, factor: torch.Tensor) -> None:
     """``param ← factor ⊙ param`` in place (shard-locally for a DTensor), ``factor`` in storage
     layout and broadcastable against ``param``."""
-    local_view(param).mul_(local_factor(factor, param).to(local_view(param).dtype))
+    _scale_(local_view(param), local_factor(factor, param), 1)
+
+
+def _scale_(t: torch.Tensor, factor: torch.Tensor, power: int) -> None:
+    """``t ← t · factor^power`` in place, computed in at least float32 and rounded once: a
+    bf16/fp16 tensor must not see a factor already rounded to 8 or 11 bits."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t.copy_(t.float() * factor.float() ** power)
+    elif power == 1:
+        t.mul_(factor.to(t.dtype))
+    else:
+        f = factor.to(t.dtype)
+        t.div_(f if power == -1 else f ** -power)
 
 
 # ---------------------------------------------------------------------- layout helpers
