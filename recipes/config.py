@@ -51,7 +51,7 @@ __all__ = [
 CONDITIONS = ("A", "B", "C")
 GRANULARITIES = ("head", "channel", "plane", "auto")
 PRECISIONS = ("auto", "32-true", "bf16-mixed", "bf16-true", "16-mixed", "64-true")
-PROGRESS = ("lines", "bar", "none")
+PROGRESS = ("lines", "evals", "bar", "none")
 
 
 class ConfigError(ValueError):
@@ -276,7 +276,8 @@ class TrainConfig:
     wandb_project: str = "gaugeopt"
     """W&B project."""
     progress: str = "lines"
-    """``lines`` (one line per log/eval step, readable in slurm logs), ``bar`` (Lightning's) or ``none``."""
+    """``lines`` (one line per log and eval step, readable in slurm logs), ``evals`` (eval lines only),
+    ``bar`` (Lightning's progress bar) or ``none``."""
     deterministic: bool = False
     """``Trainer(deterministic=True)``: deterministic kernels (slower on GPU)."""
 

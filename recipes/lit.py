@@ -84,7 +84,7 @@ class CosineSchedule:
 
 
 class GPTLitModule(pl.LightningModule):
-    """GPT + AdamW on paper 002's parameter groups + nanoGPT's schedule, with throughput logging.
+    """GPT + AdamW on paper 002's parameter groups + nanoGPT's schedule, with throughput logging and progress lines.
 
     Args:
         model: architecture (:class:`recipes.config.ModelConfig` or its dict).
@@ -93,6 +93,9 @@ class GPTLitModule(pl.LightningModule):
         vocab_size: the output vocabulary when ``model.vocab_size`` is ``None``.
         compile: ``torch.compile`` the GPT (in place; parameter names are unchanged).
         log_every: steps between throughput measurements.
+        progress: ``"lines"`` prints one line per ``log_every`` steps and one per evaluation (global
+            rank 0 only; readable in slurm logs), ``"evals"`` only the evaluation lines, anything else nothing.
+        label: prefix of the progress lines.
     """
 
     def __init__(
@@ -103,6 +106,8 @@ class GPTLitModule(pl.LightningModule):
         vocab_size: int | None = None,
         compile: bool = False,
         log_every: int = 10,
+        progress: str = "none",
+        label: str | None = None,
     ) -> None:
         super().__init__()
         model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**model)
@@ -113,6 +118,7 @@ class GPTLitModule(pl.LightningModule):
         )
         self.model_cfg, self.optim_cfg = model_cfg, optim_cfg
         self.max_steps, self.log_every, self.compile_model = max_steps, log_every, compile
+        self.progress, self._prefix = progress, f"[{label}] " if label else ""
         self.model = build_model(model_cfg, vocab_size)
         self.best_val_loss = math.inf
         self._micro_losses: list[torch.Tensor] = []
@@ -123,7 +129,7 @@ class GPTLitModule(pl.LightningModule):
         self._mark_time = 0.0
         self._mark_step = 0
         self._seen_step = 0
-        self.last_metrics: dict[str, float] = {}  # what the progress printer shows
+        self.last_metrics: dict[str, float] = {}  # the latest logged step (every log_every steps)
 
     # -- model -----------------------------------------------------------------------------------
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
@@ -202,7 +208,14 @@ class GPTLitModule(pl.LightningModule):
             metrics.update(self._throughput(step))
         self.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False)
         if step % self.log_every == 0:
-            self.last_metrics = {k: float(v) for k, v in metrics.items()}
+            self.last_metrics = m = {k: float(v) for k, v in metrics.items()}
+            if self.progress == "lines":
+                line = f"{self._prefix}step {step}/{self.max_steps} | loss {m['train/loss']:.4f} | lr {m['train/lr']:.2e}"
+                if "perf/tokens_per_s" in m:
+                    line += f" | {m['perf/tokens_per_s'] / 1e3:.1f}k tok/s"
+                if "perf/mfu" in m:
+                    line += f" | mfu {100 * m['perf/mfu']:.1f}%"
+                self.print(line, flush=True)
 
     def _throughput(self, step: int) -> dict[str, float]:
         if self.device.type == "cuda":
@@ -226,10 +239,16 @@ class GPTLitModule(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
-        val = self.trainer.callback_metrics.get("val/loss")
+        metrics = self.trainer.callback_metrics
+        val = metrics.get("val/loss")
         if val is not None:
             self.best_val_loss = min(self.best_val_loss, float(val))
             self.log("val/best_loss", self.best_val_loss, sync_dist=False)
+            if self.progress in ("lines", "evals"):
+                line = f"{self._prefix}step {self.global_step}: val loss {float(val):.4f} (best {self.best_val_loss:.4f})"
+                if "gauge/qk_drift" in metrics:  # GaugeMonitor's latest measurement
+                    line += f" | qk drift {float(metrics['gauge/qk_drift']):.2e}"
+                self.print(line, flush=True)
 
     def on_validation_end(self) -> None:
         if not self.trainer.sanity_checking:

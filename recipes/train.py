@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from recipes.config import ConfigError, RunConfig, TrainConfig, load_config
 
-__all__ = ["Hardware", "RunResult", "resolve_hardware", "find_checkpoint", "build_trainer", "train", "main"]
+__all__ = ["Hardware", "RunResult", "resolve_hardware", "find_checkpoint", "build_trainer", "train", "read_metrics", "main"]
 
 LEAFSPEC_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"  # from Lightning 2.6 on torch >= 2.10
 
@@ -170,43 +170,8 @@ def _model_vocab(cfg: RunConfig, meta: dict[str, Any]) -> int:
 # ---- callbacks and loggers -----------------------------------------------------------------------
 
 
-def _progress_callback(cfg: RunConfig, label: str | None):
-    import lightning.pytorch as pl
-
-    class ProgressLines(pl.Callback):
-        """One line per log step and one per evaluation, on global rank 0 (readable in slurm logs)."""
-
-        def __init__(self) -> None:
-            self.prefix = f"[{label}] " if label else ""
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            m, step = pl_module.last_metrics, trainer.global_step
-            if not trainer.is_global_zero or step % cfg.train.log_every or m.get("_printed") == step:
-                return
-            m["_printed"] = step
-            parts = [f"{self.prefix}step {step}/{cfg.train.max_steps}", f"loss {m.get('train/loss', float('nan')):.4f}",
-                     f"lr {m.get('train/lr', 0.0):.2e}"]
-            if "perf/tokens_per_s" in m:
-                parts.append(f"{m['perf/tokens_per_s'] / 1e3:.1f}k tok/s")
-            if "perf/mfu" in m:
-                parts.append(f"mfu {100 * m['perf/mfu']:.1f}%")
-            print(" | ".join(parts), flush=True)
-
-        def on_validation_end(self, trainer, pl_module) -> None:
-            if trainer.sanity_checking or not trainer.is_global_zero:
-                return
-            cm = trainer.callback_metrics
-            line = f"{self.prefix}step {trainer.global_step}: val loss {float(cm['val/loss']):.4f}"
-            line += f" (best {pl_module.best_val_loss:.4f})"
-            if "gauge/qk_drift" in cm:
-                line += f" | qk drift {float(cm['gauge/qk_drift']):.2e}"
-            print(line, flush=True)
-
-    return ProgressLines()
-
-
-def build_callbacks(cfg: RunConfig, run_dir: Path, label: str | None = None) -> list:
-    """GaugeFix (if configured), GaugeMonitor, progress lines, and the last.ckpt writer."""
+def build_callbacks(cfg: RunConfig, run_dir: Path) -> list:
+    """GaugeFix (if configured), GaugeMonitor, and the last.ckpt writer."""
     from gaugeopt.callbacks import GaugeFix, GaugeMonitor
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -215,7 +180,7 @@ def build_callbacks(cfg: RunConfig, run_dir: Path, label: str | None = None) -> 
 
         def on_train_end(self, trainer, pl_module) -> None:
             if trainer.global_step % cfg.train.ckpt_every:
-                trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt")
+                trainer.save_checkpoint(Path(self.dirpath) / "last.ckpt", weights_only=False)
             super().on_train_end(trainer, pl_module)
 
     g = cfg.gauge
@@ -224,8 +189,6 @@ def build_callbacks(cfg: RunConfig, run_dir: Path, label: str | None = None) -> 
         callbacks.append(GaugeFix(every=g.fix_every, granularity=g.granularity, transport_state=g.transport_state,
                                   product_decay=g.product_decay, product_max=g.product_max))
     callbacks.append(GaugeMonitor(every=g.monitor_every, vertical_fraction=g.monitor_vertical_fraction))
-    if cfg.train.progress == "lines":
-        callbacks.append(_progress_callback(cfg, label))
     callbacks.append(LastCheckpoint(dirpath=run_dir / "checkpoints", filename="last", save_top_k=0, save_last=True,
                                     every_n_train_steps=cfg.train.ckpt_every, enable_version_counter=False))
     return callbacks
@@ -246,8 +209,7 @@ def build_loggers(cfg: RunConfig, run_dir: Path) -> list:
     return loggers
 
 
-def build_trainer(cfg: RunConfig, run_dir: Path, hw: Hardware, *, callbacks: Sequence = (), loggers=None,
-                  label: str | None = None):
+def build_trainer(cfg: RunConfig, run_dir: Path, hw: Hardware, *, callbacks: Sequence = (), loggers=None):
     """The ``lightning.pytorch.Trainer`` for ``cfg`` (see the module docstring)."""
     import lightning.pytorch as pl
 
@@ -264,11 +226,11 @@ def build_trainer(cfg: RunConfig, run_dir: Path, hw: Hardware, *, callbacks: Seq
         num_sanity_val_steps=0,
         log_every_n_steps=t.log_every,
         use_distributed_sampler=False,  # MemmapDataModule splits by rank itself
-        callbacks=[*build_callbacks(cfg, run_dir, label), *callbacks],
+        callbacks=[*build_callbacks(cfg, run_dir), *callbacks],
         logger=build_loggers(cfg, run_dir) if loggers is None else loggers,
         default_root_dir=str(run_dir),
         enable_progress_bar=t.progress == "bar",
-        enable_model_summary=t.progress != "none",
+        enable_model_summary=t.progress in ("lines", "bar"),
         deterministic=t.deterministic,
     )
 
@@ -299,12 +261,13 @@ def _quiet_lightning(quiet: bool) -> None:
     import logging
 
     warnings.filterwarnings("ignore", message=LEAFSPEC_WARNING, category=FutureWarning)
-    for name in ("lightning.pytorch", "lightning.fabric"):
-        lg = logging.getLogger(name)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        lg = logging.getLogger(name)  # logger filters do not apply to records from child loggers: name the source
         if not any(isinstance(f, _DropAdverts) for f in lg.filters):
             lg.addFilter(_DropAdverts())
-        if quiet:
-            lg.setLevel(logging.WARNING)
+    if quiet:
+        for name in ("lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     if quiet:
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
 
@@ -356,7 +319,8 @@ def train(
     torch.set_float32_matmul_precision(cfg.train.matmul_precision)
     lightning.seed_everything(cfg.train.seed, workers=True, verbose=False)
     module = GPTLitModule(cfg.model, cfg.optim, max_steps=cfg.train.max_steps, vocab_size=vocab,
-                          compile=cfg.train.compile, log_every=cfg.train.log_every)
+                          compile=cfg.train.compile, log_every=cfg.train.log_every, progress=cfg.train.progress,
+                          label=label)
     data = MemmapDataModule(cfg.data.dir, cfg.model.block_size, cfg.data.micro_batch_size, cfg.train.seed,
                             cfg.data.val_batches, cfg.data.eval_seed, cfg.data.num_workers)
     say(f"run: {run_dir}  ({cfg.optim.condition}, gauge fix every {cfg.gauge.fix_every}, seed {cfg.train.seed})")
@@ -368,7 +332,7 @@ def train(
     if ckpt is not None:
         say(f"resuming from {ckpt}")
 
-    trainer = build_trainer(cfg, run_dir, hw, callbacks=callbacks, label=label)
+    trainer = build_trainer(cfg, run_dir, hw, callbacks=callbacks)
     started = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
     summary = _finish(cfg, run_dir, module, trainer, plan, time.perf_counter() - started)
@@ -400,6 +364,7 @@ def _finish(cfg: RunConfig, run_dir: Path, module, trainer, plan, seconds: float
         "world_size": trainer.world_size,
         "tokens": module.tokens_seen,
         "tokens_per_step": plan.tokens_per_step,
+        "params": sum(p.numel() for p in module.model.parameters()),
         "val_loss": float(cm["val/loss"]) if "val/loss" in cm else float("nan"),
         "best_val_loss": module.best_val_loss,
         "qk_drift": float(gaugeopt.qk_drift(module.model)),
@@ -412,6 +377,25 @@ def _finish(cfg: RunConfig, run_dir: Path, module, trainer, plan, seconds: float
     if trainer.is_global_zero:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def read_metrics(run_dir: str | Path, version: int | None = None) -> list[dict[str, float]]:
+    """The CSV logs of a run, empty cells dropped: every start in order (``logs/version_0``,
+    ``version_1``, ... — one per start or resume), or only start ``version``.
+
+    Each row has ``step`` (Lightning's 0-based index: values measured after optimizer step ``step + 1``).
+    """
+    import csv
+
+    folders = sorted(Path(run_dir, "logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    if version is not None:
+        folders = [Path(run_dir, "logs", f"version_{version}")]
+    rows: list[dict[str, float]] = []
+    for folder in folders:
+        if (folder / "metrics.csv").is_file():
+            with open(folder / "metrics.csv", newline="") as fh:
+                rows += [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in csv.DictReader(fh)]
+    return rows
 
 
 def dry_run(cfg: RunConfig) -> int:

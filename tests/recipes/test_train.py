@@ -16,8 +16,8 @@ import torch
 import gaugeopt
 from recipes.config import config_from_dict
 from recipes.lit import CosineSchedule, FixedWindows, RandomWindows
-from recipes.train import find_checkpoint, main, train
-from train_helpers import prepare_corpus, read_metrics, series, tiny
+from recipes.train import find_checkpoint, main, read_metrics, train
+from train_helpers import prepare_corpus, series, tiny
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning",
@@ -251,3 +251,27 @@ def test_missing_data_says_how_to_prepare_it(tmp_path):
 
     with pytest.raises(ConfigError, match="python -m recipes.data"):
         train(tiny("A", tmp_path / "nothing", tmp_path / "runs"), resume=None, quiet=True)
+
+
+# ---- the demo ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_demo_quick_shows_the_drift_contrast(corpus, tmp_path, capsys):
+    """`python -m recipes.demo --quick`: four runs in parallel worker processes, a table, a plot."""
+    from recipes.demo import main as demo_main
+
+    out = tmp_path / "demo"
+    assert demo_main(["--quick", "--out", str(out), "--data", str(corpus)]) == 0
+    printed = capsys.readouterr().out
+    for row in ("| A | 2e-3 | - |", "| B | 0 | every 1 |", "| C | 0 | - |", "| every 100 | 0 | every 100 |"):
+        assert row in printed
+    results = json.loads((out / "results.json").read_text())
+    drift = {r["label"]: r["summary"]["qk_drift"] for r in results["runs"]}
+    assert drift["B"] <= 1e-5 and drift["every 100"] <= 1e-5, drift  # step 100 is a fix step for both
+    assert drift["A"] >= 1e-3 and drift["C"] >= 1e-3, drift
+    every100 = dict(next(r for r in results["runs"] if r["label"] == "every 100")["drift"])
+    assert every100[90] >= 1e-3 and every100[100] <= 1e-5  # drifts like C until its first fix
+    assert all(r["summary"]["step"] == 100 for r in results["runs"])
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "table.md").read_text().count("\n| ") == 5  # header + four runs

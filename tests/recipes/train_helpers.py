@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,18 +31,6 @@ def tiny(condition: str, data_dir: Path, out_dir: Path, *overrides: str):
 
     return load_config(CONFIGS / f"tiny_cpu_{condition}.yaml",
                        [f"data.dir={data_dir}", "data.prepare=null", f"train.out_dir={out_dir}", *TEST_MODEL, *overrides])
-
-
-def read_metrics(run_dir: Path, version: int | None = None) -> list[dict[str, float]]:
-    """Rows of ``logs/version_N/metrics.csv`` (all versions in order when ``version`` is None), empty cells dropped."""
-    folders = sorted((run_dir / "logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
-    if version is not None:
-        folders = [run_dir / "logs" / f"version_{version}"]
-    rows = []
-    for f in folders:
-        with open(f / "metrics.csv") as fh:
-            rows += [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(fh)]
-    return rows
 
 
 def series(rows: list[dict[str, float]], key: str) -> dict[int, float]:
