@@ -138,13 +138,20 @@ def _pad_width(*mats: torch.Tensor) -> list[torch.Tensor]:
     return [torch.nn.functional.pad(f, (0, m - f.shape[-1])) for f in mats]
 
 
+# cuSOLVER's batched gesvda indexes the whole batch with 32-bit offsets: keep every call's
+# batch × rows × cols well below 2³¹ (a LLaMA-7B stack in one call is 2³⁰ elements and fails
+# with CUSOLVER_STATUS_INVALID_VALUE).
+_GESVDA_MAX_ELEMENTS = 2**27
+
+
 def _gram_eig_svd(F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigendecomposition of ``F Fᵀ`` from the SVD of the tall ``Fᵀ = U S Vᵀ``: ``(S², V)``."""
     Ft = F.mT
-    if Ft.is_cuda:
-        _, S, Vh = torch.linalg.svd(Ft, full_matrices=False, driver="gesvda")
-    else:
-        _, S, Vh = torch.linalg.svd(Ft, full_matrices=False)
+    driver = "gesvda" if Ft.is_cuda else None
+    chunk = max(1, _GESVDA_MAX_ELEMENTS // max(1, Ft.shape[-1] * Ft.shape[-2]))
+    parts = [torch.linalg.svd(c, full_matrices=False, driver=driver)[1:] for c in Ft.split(chunk, dim=0)]
+    S = torch.cat([p[0] for p in parts])
+    Vh = torch.cat([p[1] for p in parts])
     return S.square(), Vh.mT
 
 
