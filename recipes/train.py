@@ -336,9 +336,19 @@ def train(
     started = time.perf_counter()
     trainer.fit(module, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
     summary = _finish(cfg, run_dir, module, trainer, plan, time.perf_counter() - started)
+    _close_wandb(trainer)
     say(f"done: step {summary['step']}, val loss {summary['val_loss']:.4f} (best {summary['best_val_loss']:.4f}), "
         f"qk drift {summary['qk_drift']:.2e}, {summary['seconds']:.0f} s -> {run_dir}")
     return RunResult(run_dir, summary, module, trainer)
+
+
+def _close_wandb(trainer) -> None:
+    """Finish the W&B run (Lightning leaves it open), so its files are complete and a next run starts fresh."""
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        if type(logger).__name__ == "WandbLogger":
+            logger.experiment.finish()
 
 
 def _save_config(cfg: RunConfig, run_dir: Path, resuming: bool, say) -> None:

@@ -7,6 +7,7 @@ prepared once per session in a temporary folder.  Torch runs single-threaded her
 
 import json
 import math
+import re
 
 import lightning.pytorch as pl
 import numpy as np
@@ -126,16 +127,23 @@ def test_resume_continues_bit_identically(corpus, tmp_path, capsys):
                  "train.ckpt_every=10", "data.grad_accum_steps=2", "gauge.fix_every=3", "gauge.transport_state=true",
                  "optim.warmup_steps=5", "train.run_name=resume"]
     full = train(tiny("B", corpus, tmp_path / "full", *overrides), resume=None, quiet=True)
-    cut = tiny("B", corpus, tmp_path / "cut", *overrides)
+    cut = tiny("B", corpus, tmp_path / "cut", *overrides, "train.progress=lines")
     first = train(cut, resume=None, quiet=True, callbacks=[StopAt(10)])
     assert first.summary["step"] == 10 and find_checkpoint(first.run_dir) is not None
     args = ["--config", str(tmp_path / "cut.yaml")]
     import yaml
 
     (tmp_path / "cut.yaml").write_text(yaml.safe_dump({k: v for k, v in cut.to_dict().items() if k != "name"}))
+    capsys.readouterr()
     assert main(args) == 0  # auto-resumes from the run directory's last.ckpt
-    assert "resuming from" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resuming from" in printed
     resumed_rows = read_metrics(tmp_path / "cut" / "resume", version=1)
+    # progress lines show the step they name (a callback printing before the module logs would lag by one)
+    lines = dict(re.findall(r"^step (\d+)/20 \| loss ([\d.]+) \|", printed, flags=re.M))
+    assert sorted(map(int, lines)) == list(range(11, 21))
+    assert all(float(lines[str(s + 1)]) == pytest.approx(v, abs=6e-5)
+               for s, v in series(resumed_rows, "train/loss").items())
     assert min(series(resumed_rows, "train/loss")) == 10  # it did start at step 11, not from scratch
     final = torch.load(tmp_path / "cut" / "resume" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert final["global_step"] == 20
@@ -244,6 +252,20 @@ def test_cli_reports_config_errors_without_a_traceback(capsys):
 
     assert main(["--config", str(CONFIGS / "gpt2_owt_C.yaml"), "--set", "gauge.fix_every=10", "--dry-run"]) == 2
     assert "no-control ablation" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_wandb_logs_offline_by_default(corpus, tmp_path, monkeypatch):
+    """`train.wandb: true` with no WANDB_MODE: an offline run in the run directory, holding the gauge metrics."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    result = train(tiny("B", corpus, tmp_path, "train.max_steps=10", "train.eval_interval=10", "train.wandb=true",
+                        "optim.warmup_steps=2"), resume=None, quiet=True)
+    runs = list((result.run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and not list((result.run_dir / "wandb").glob("run-*"))  # offline, nothing synced
+    records = next(runs[0].glob("run-*.wandb")).read_bytes()
+    for key in (b"gauge/qk_drift", b"gauge/qk_drift_after", b"train/loss", b"val/loss"):
+        assert key in records
 
 
 def test_missing_data_says_how_to_prepare_it(tmp_path):
