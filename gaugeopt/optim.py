@@ -62,6 +62,53 @@ _PROJECT = ("update", "grad")
 _STATE_KEY = "gauge_projected"
 
 
+# ---------------------------------------------------------------------- the projected step, shared
+# by GaugeProjected and the Lightning callback gaugeopt.callbacks.GaugeProjection. The squared
+# norms come back as device tensors: no host synchronisation unless someone reads the fraction.
+def snapshot(proj: GaugeProjector, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the gauge parameters (the point ``θ_old`` an update is projected at)."""
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().clone() for n in proj.param_names()}
+
+
+@torch.no_grad()
+def remove_vertical_update_(proj: GaugeProjector, model: nn.Module, before: dict[str, torch.Tensor]):
+    """``θ ← θ − Π_vert(θ − θ_old)`` at ``θ_old = before``; returns ``(‖Π_vert Δ‖², ‖Δ‖²)``."""
+    params = dict(model.named_parameters())
+    delta = {n: params[n].detach() - before[n] for n in before}
+    vert = proj.vertical(delta, at=before)
+    for n, v in vert.items():
+        params[n].sub_(v.to(params[n].dtype))
+    return _norms(vert, delta)
+
+
+@torch.no_grad()
+def remove_vertical_grad_(proj: GaugeProjector, model: nn.Module):
+    """``g ← g − Π_vert(g)`` for the gauge parameters' gradients; returns ``(‖Π_vert g‖², ‖g‖²)``."""
+    params = dict(model.named_parameters())
+    grads = {n: params[n].grad for n in proj.param_names()}
+    vert = proj.vertical(grads)
+    for n, v in vert.items():
+        p = params[n]
+        if p.grad is None:
+            p.grad = -v.to(p.dtype)
+        else:
+            p.grad.sub_(v.to(p.grad.dtype))
+    return _norms(vert, grads)
+
+
+def _norms(vert: dict, field: dict):
+    tot = sum(t.detach().double().square().sum() for t in field.values() if t is not None)
+    v = sum(t.double().square().sum() for t in vert.values())
+    return v, tot
+
+
+def vertical_fraction_of(norms) -> float:
+    """``sqrt(v / tot)`` from the ``(v, tot)`` squared norms the functions above return."""
+    v, tot = (float(x) for x in norms)
+    return math.sqrt(v / tot) if tot > 0 else 0.0
+
+
 class GaugeProjected(torch.optim.Optimizer):
     """Wrap ``optimizer`` so that its steps on ``model`` are gauge-orthogonal.
 
@@ -190,49 +237,26 @@ class GaugeProjected(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
         """One inner step, projected; ``closure`` re-evaluates the loss as for any optimizer."""
         proj = self.projector
-        params = dict(self.model.named_parameters())
-        names = proj.param_names()
         if self.project == "update":
-            before = {n: params[n].detach().clone() for n in names}
+            before = snapshot(proj, self.model)
             loss = self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
-            delta = {n: params[n].detach() - before[n] for n in names}
-            vert = proj.vertical(delta, at=before)
-            for n, v in vert.items():
-                params[n].sub_(v.to(params[n].dtype))
-            self._record(vert, delta)
+            self._last = remove_vertical_update_(proj, self.model, before)
         else:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            grads = {n: params[n].grad for n in names}
-            vert = proj.vertical(grads)
-            for n, v in vert.items():
-                p = params[n]
-                if p.grad is None:
-                    p.grad = -v.to(p.dtype)
-                else:
-                    p.grad.sub_(v.to(p.grad.dtype))
-            self._record(vert, grads)
+            self._last = remove_vertical_grad_(proj, self.model)
             self.optimizer.step(**kwargs)
         self._steps += 1
         if self.fix_every is not None and self._steps % self.fix_every == 0:
             self.fix()
         return loss
 
-    def _record(self, vert, field) -> None:
-        # kept as device tensors: no host synchronisation unless someone reads the fraction
-        tot = sum(t.detach().double().square().sum() for t in field.values() if t is not None)
-        v = sum(t.double().square().sum() for t in vert.values())
-        self._last = (v, tot)
-
     @property
     def last_vertical_fraction(self) -> float:
         """``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient) over the gauge parameters."""
-        if self._last is None:
-            return math.nan
-        v, tot = (float(x) for x in self._last)
-        return math.sqrt(v / tot) if tot > 0 else 0.0
+        return math.nan if self._last is None else vertical_fraction_of(self._last)
 
     def fix(self):
         """Run ``gaugeopt.gauge_fix(model, optimizer=inner, **fix_kwargs)`` now; returns its report."""
