@@ -415,13 +415,13 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         args = typing.get_args(hint)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, arg, where)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(f"{where}={value!r} does not fit {hint}")
+            except ConfigError:
+                pass
+        allowed = " or ".join("null" if a is type(None) else getattr(a, "__name__", str(a)) for a in args)
+        raise ConfigError(f"{where}={value!r} must be {allowed}")
     if hint is Any:
         return value
     if origin is tuple:
@@ -448,15 +448,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return float(value)
     if hint is str:
         _check(isinstance(value, str), f"{where}={value!r} must be a string")
-        return value
-    if isinstance(hint, str) or typing.get_origin(hint) is typing.Literal:
-        return value
     return value
 
 
 def _section(cls: type, values: dict[str, Any], name: str) -> Any:
-    if values is None:
-        values = {}
     _check(isinstance(values, dict), f"section {name!r} must be a mapping, got {values!r}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
