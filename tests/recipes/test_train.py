@@ -156,6 +156,22 @@ def test_resume_continues_bit_identically(corpus, tmp_path, capsys):
     assert series(resumed_rows, "train/loss") == {s: full_loss[s] for s in range(10, 20)}
 
 
+def test_resume_picks_the_newest_of_last_and_slurm_hpc_checkpoints(tmp_path):
+    """A requeued slurm job resumes from Lightning's hpc_ckpt_N.ckpt when it is newer than last.ckpt."""
+    import os
+
+    assert find_checkpoint(tmp_path) is None
+    (tmp_path / "checkpoints").mkdir()
+    last, hpc = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "hpc_ckpt_3.ckpt"
+    last.write_bytes(b"x")
+    hpc.write_bytes(b"x")
+    os.utime(last, (1000, 1000))
+    os.utime(hpc, (2000, 2000))
+    assert find_checkpoint(tmp_path) == hpc
+    os.utime(last, (3000, 3000))
+    assert find_checkpoint(tmp_path) == last
+
+
 # ---- GaugeFix vs drift ----------------------------------------------------------------------------
 
 
