@@ -18,22 +18,11 @@ Example:
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 from gaugeopt.gaugefix import GaugeFixReport, gauge_fix
 
 __all__ = ["gauge_fix_reference"]
 
 
-@functools.lru_cache(maxsize=1)
-def _core_routes() -> bool:
-    """Whether the core's ``gauge_fix`` takes ``backend=`` (then it must be told "torch")."""
-    return "backend" in inspect.signature(gauge_fix).parameters
-
-
 def gauge_fix_reference(model, optimizer=None, granularity: str = "auto", **kwargs) -> GaugeFixReport:
     """:func:`gaugeopt.gauge_fix` on the torch path (same arguments, same report)."""
-    if _core_routes():
-        kwargs["backend"] = "torch"
-    return gauge_fix(model, optimizer, granularity, **kwargs)
+    return gauge_fix(model, optimizer, granularity, **{**kwargs, "backend": "torch"})

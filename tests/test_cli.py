@@ -243,16 +243,6 @@ def test_hf_checkpoints_round_trip(ckpts):
     assert torch.equal(forward_logits(load_checkpoint(ckpts["root"] / "hf").model, hf.inputs), hf.logits())
 
 
-def test_docs_snippets_run(tmp_path, monkeypatch):
-    """Every ```python block of docs/model_tools.md runs (in order, in a scratch directory)."""
-    text = (REPO / "docs" / "model_tools.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 3
-    monkeypatch.chdir(tmp_path)
-    scope: dict = {}
-    for block in blocks:
-        exec(compile(block, "docs/model_tools.md", "exec"), scope)
-
 
 def test_docstring_examples():
     for mod in (checkpoint_mod, cli_mod):

@@ -352,13 +352,3 @@ def test_public_names_and_doctests():
     for mod in (gaugeopt.gaugefix, gaugeopt.drift, gaugeopt.transport, gaugeopt.distributed):
         result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted > 0, mod.__name__
-
-
-def test_docs_snippets_run():
-    """Every ```python block of docs/gaugefix.md runs (in order, one namespace)."""
-    text = (pathlib.Path(__file__).parents[1] / "docs" / "gaugefix.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) >= 4
-    ns: dict = {}
-    for block in blocks:
-        exec(compile(block, "docs/gaugefix.md", "exec"), ns)

@@ -406,18 +406,6 @@ def test_gram_eigendecomposition_backends_agree(name, lrm, mode, monkeypatch):
     assert H.norm(diff) <= 1e-10 * H.norm(results["eigh"])
 
 
-def test_docs_snippets_run():
-    """The Python blocks of docs/projection.md run as written."""
-    import pathlib
-    import re
-
-    text = (pathlib.Path(__file__).parent.parent / "docs" / "projection.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    runnable = [b for b in blocks if "params, lr=..." not in b]  # the signature sketch is not a program
-    assert len(runnable) >= 2
-    for code in runnable:
-        exec(compile(code, "docs/projection.md", "exec"), {})
-
 
 def test_gram_eig_svd_in_chunks_matches_one_call(monkeypatch):
     """The SVD path splits big batches (cuSOLVER's batched gesvda overflows 32-bit offsets on a
