@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 import gaugeopt  # noqa: E402
 from gaugeopt.drift import plan_pairs  # noqa: E402
-from gaugeopt.kernels import FusedGaugeFix, fused_gauge_fix, fused_vertical  # noqa: E402
+from gaugeopt.kernels import FusedGaugeFix, fused_vertical  # noqa: E402
 from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference  # noqa: E402
 from gaugeopt.models.gpt import CausalSelfAttention, GPTConfig  # noqa: E402
 from gaugeopt.projection import GaugeProjector  # noqa: E402
@@ -170,7 +170,7 @@ def measure(model: str, params: str, layers: int, device: torch.device, bench, r
     record("gaugefix", "torch", bench(eager), gb, adamw_ms)
     if on_gpu:
         record("gaugefix", "triton",
-               bench(lambda: fused_gauge_fix(None, opt, sites=sites, backend="triton")), gb, adamw_ms,
+               bench(lambda: gaugeopt.gauge_fix(None, opt, sites=sites, backend="triton")), gb, adamw_ms,
                "plans, packs and launches each call")
         fix = FusedGaugeFix(None, opt, sites=sites, backend="triton")
         record("gaugefix", "triton-cached", bench(fix), gb, adamw_ms,

@@ -46,9 +46,9 @@ from typing_extensions import override
 
 from .drift import GRANULARITIES, MODES, VO_GRANULARITIES, plan_pairs
 from .errors import GaugeError
-from .gaugefix import gauge_fix, qk_drift
+from .gaugefix import gauge_fix
 from .structure import AttentionSite, find_attention
-from .transport import UNKNOWN_STATE_POLICIES, unwrap_optimizer
+from .transport import UNKNOWN_STATE_POLICIES
 
 __all__ = ["GaugeFix", "GaugeMonitor", "GaugeProjection"]
 

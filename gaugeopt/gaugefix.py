@@ -284,6 +284,17 @@ def apply_factors(
 
 
 # ---------------------------------------------------------------------- the public entry
+def check_fix_options(unknown_state: str, product_decay: float | None, product_max: float | None, eps: float) -> None:
+    """Validate the options every GaugeFix path (torch, fused kernel) shares."""
+    _check_eps(eps)
+    if unknown_state not in UNKNOWN_STATE_POLICIES:
+        raise GaugeError(f"unknown_state={unknown_state!r} is not one of {UNKNOWN_STATE_POLICIES}")
+    if product_decay is not None and not 0.0 <= product_decay < 1.0:
+        raise GaugeError(f"product_decay={product_decay!r} must be in [0, 1): the product is multiplied by 1 - product_decay")
+    if product_max is not None and not product_max > 0:
+        raise GaugeError(f"product_max={product_max!r} must be > 0")
+
+
 def gauge_fix(
     model: nn.Module | None,
     optimizer=None,
@@ -332,13 +343,7 @@ def gauge_fix(
         :class:`GaugeFixReport` (drift and scale product before/after per layer, heads fixed,
         state outcome); ``report.as_dict()`` for loggers.
     """
-    _check_eps(eps)
-    if unknown_state not in UNKNOWN_STATE_POLICIES:
-        raise GaugeError(f"unknown_state={unknown_state!r} is not one of {UNKNOWN_STATE_POLICIES}")
-    if product_decay is not None and not 0.0 <= product_decay < 1.0:
-        raise GaugeError(f"product_decay={product_decay!r} must be in [0, 1): the product is multiplied by 1 - product_decay")
-    if product_max is not None and not product_max > 0:
-        raise GaugeError(f"product_max={product_max!r} must be > 0")
+    check_fix_options(unknown_state, product_decay, product_max, eps)
     if model is None and sites is None:
         raise GaugeError("gauge_fix: pass a model or sites=find_attention(model)")
     sites = find_attention(model) if sites is None else list(sites)

@@ -1,8 +1,8 @@
 """Triton kernels for gaugeopt (installed as ``gaugeopt.kernels``), each beside its torch reference.
 
-* :func:`fused_gauge_fix` — :func:`gaugeopt.gauge_fix` with one fused launch on CUDA
-  (:mod:`.gaugefix_triton`; reference :mod:`.gaugefix_reference`); :class:`FusedGaugeFix`
-  plans and dispatches once and reuses the packed tables across calls.
+* the fused GaugeFix (:mod:`.gaugefix_triton`; reference :mod:`.gaugefix_reference`):
+  :func:`gaugeopt.gauge_fix` takes it on CUDA through :func:`try_fused_gauge_fix`;
+  :class:`FusedGaugeFix` plans and dispatches once and reuses the packed tables across calls.
 * :func:`fused_vertical`, :func:`fused_project` — the closed-form projection sectors
   (``lrm_qk``, ``lrm_vo``, full-rotary ``qk``) of :class:`gaugeopt.projection.GaugeProjector`
   in one launch (:mod:`.projection_triton`; reference :mod:`.projection_reference`).
@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "fused_gauge_fix": "gaugeopt.kernels.ops",
     "try_fused_gauge_fix": "gaugeopt.kernels.ops",
     "FusedGaugeFix": "gaugeopt.kernels.ops",
     "fused_vertical": "gaugeopt.kernels.ops",

@@ -51,10 +51,10 @@ import triton
 import triton.language as tl
 
 from gaugeopt.distributed import is_dtensor
-from gaugeopt.drift import PairPlan, _check_eps
+from gaugeopt.drift import PairPlan
 from gaugeopt.errors import GaugeError
-from gaugeopt.gaugefix import GaugeFixReport, PairRecord
-from gaugeopt.transport import UNKNOWN_STATE_POLICIES, _shaped_keys, classify_state, state_rule, unwrap_optimizer
+from gaugeopt.gaugefix import GaugeFixReport, PairRecord, check_fix_options
+from gaugeopt.transport import _shaped_keys, classify_state, state_rule, unwrap_optimizer
 
 __all__ = ["gauge_fix_triton", "prepare_fix", "PreparedFix", "fingerprint", "unsupported_reason", "SUPPORTED_DTYPES"]
 
@@ -428,16 +428,6 @@ def _run(pk: _Launch, scal: torch.Tensor, has_max: bool) -> tuple[torch.Tensor, 
     return out, changed
 
 
-def _check_options(unknown_state: str, product_decay: float | None, product_max: float | None, eps: float) -> None:
-    _check_eps(eps)
-    if unknown_state not in UNKNOWN_STATE_POLICIES:
-        raise GaugeError(f"unknown_state={unknown_state!r} is not one of {UNKNOWN_STATE_POLICIES}")
-    if product_decay is not None and not 0.0 <= product_decay < 1.0:
-        raise GaugeError(f"product_decay={product_decay!r} must be in [0, 1): the product is multiplied by 1 - product_decay")
-    if product_max is not None and not product_max > 0:
-        raise GaugeError(f"product_max={product_max!r} must be > 0")
-
-
 def fingerprint(plans: Sequence[PairPlan], optimizer) -> tuple:
     """What the packed tables depend on: every parameter's storage and its state tensors' storage.
 
@@ -505,7 +495,7 @@ def prepare_fix(
 ) -> PreparedFix:
     """Validate, classify the optimizer state (raising before any write, like the core) and pack
     the descriptor tables of ``plans``; see :func:`gauge_fix_triton` for the arguments."""
-    _check_options(unknown_state, product_decay, product_max, eps)
+    check_fix_options(unknown_state, product_decay, product_max, eps)
     plans = list(plans)
     why = unsupported_reason(plans, optimizer)
     if why is not None:

@@ -6,10 +6,10 @@ records why (:func:`gaugeopt.kernels.dispatch.explain`).
 
 Example:
     >>> import torch, gaugeopt
-    >>> from gaugeopt.kernels import dispatch, fused_gauge_fix
+    >>> from gaugeopt.kernels import dispatch
     >>> from gaugeopt.models import GPT, GPTConfig
     >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)))
-    >>> report = fused_gauge_fix(model)              # CPU tensors: the torch reference runs
+    >>> report = gaugeopt.gauge_fix(model)           # CPU tensors: the torch reference runs
     >>> dispatch.last_decision("gauge_fix").backend
     'torch'
 """
@@ -28,7 +28,7 @@ from gaugeopt.structure import AttentionSite, find_attention
 
 from . import dispatch
 
-__all__ = ["fused_gauge_fix", "try_fused_gauge_fix", "FusedGaugeFix", "fused_vertical", "fused_project"]
+__all__ = ["try_fused_gauge_fix", "FusedGaugeFix", "fused_vertical", "fused_project"]
 
 
 def _gaugefix_unsupported(plans, optimizer):
@@ -70,45 +70,6 @@ def try_fused_gauge_fix(
 
     return gauge_fix_triton(plans, optimizer, unknown_state=unknown_state, product_decay=product_decay,
                             product_max=product_max, eps=eps)
-
-
-def fused_gauge_fix(
-    model: nn.Module | None,
-    optimizer=None,
-    granularity: str = "auto",
-    *,
-    sites: Sequence[AttentionSite] | None = None,
-    vo: bool = False,
-    vo_granularity: str = "head",
-    mode: str = "auto",
-    transport_state: bool = True,
-    unknown_state: str = "error",
-    product_decay: float | None = None,
-    product_max: float | None = None,
-    eps: float = 1e-12,
-    backend: str = "auto",
-) -> GaugeFixReport:
-    """:func:`gaugeopt.gauge_fix` with the fused Triton kernel where the dispatch allows it.
-
-    Same arguments and report as :func:`gaugeopt.gauge_fix`, plus ``backend``. On the torch
-    path it *is* :func:`gaugeopt.gauge_fix`; on the Triton path one launch per dtype group
-    does the statistics, factors, parameter and state rescale of every layer.
-    """
-    if model is None and sites is None:
-        raise GaugeError("fused_gauge_fix: pass a model or sites=find_attention(model)")
-    sites = find_attention(model) if sites is None else list(sites)
-    kinds = ("qk", "vo") if vo else ("qk",)
-    plans = plan_pairs(sites, kinds=kinds, granularity=granularity, vo_granularity=vo_granularity, mode=mode)
-    report = try_fused_gauge_fix(plans, optimizer if transport_state else None, backend=backend,
-                                 unknown_state=unknown_state, product_decay=product_decay,
-                                 product_max=product_max, eps=eps)
-    if report is not None:
-        return report
-    from .gaugefix_reference import gauge_fix_reference
-
-    return gauge_fix_reference(None, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity,
-                               mode=mode, transport_state=transport_state, unknown_state=unknown_state,
-                               product_decay=product_decay, product_max=product_max, eps=eps)
 
 
 class FusedGaugeFix:

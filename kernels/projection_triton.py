@@ -37,7 +37,6 @@ stay on the torch path (:mod:`gaugeopt.sylvester`: batched ``eigh`` + matmuls).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch

@@ -20,7 +20,7 @@ import torch
 
 import gaugeopt
 import zoo
-from gaugeopt.kernels import FusedGaugeFix, dispatch, fused_gauge_fix, fused_project, fused_vertical
+from gaugeopt.kernels import FusedGaugeFix, dispatch, fused_project, fused_vertical
 from gaugeopt.kernels import gaugefix_triton as gft
 from gaugeopt.kernels import projection_triton as pjt
 from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
@@ -58,7 +58,7 @@ def _both(model, opt, **kw):
     """(reference model, opt, report), (Triton model, opt, report) from the same starting point."""
     m2, o2 = twin(model, opt)
     r1 = gauge_fix_reference(model, opt, **kw)
-    r2 = fused_gauge_fix(m2, o2, backend="triton", **kw)
+    r2 = gaugeopt.gauge_fix(m2, o2, backend="triton", **kw)
     assert dispatch.last_decision("gauge_fix").backend == "triton"
     return (model, opt, r1), (m2, o2, r2)
 
@@ -120,7 +120,7 @@ def test_unknown_state_policies():
     m2, o2 = twin(model, opt)
     before = [p.detach().clone() for p in m2.parameters()]
     with pytest.raises(gaugeopt.GaugeError, match="trace"):
-        fused_gauge_fix(m2, o2, backend="triton")
+        gaugeopt.gauge_fix(m2, o2, backend="triton")
     assert all(torch.equal(a, p) for a, p in zip(before, m2.parameters())), "wrote before refusing"
     for policy in ("reset", "leave"):
         (m1, o1, r1), (m2, o2, r2) = _both(*twin(model, opt), unknown_state=policy)
@@ -170,11 +170,11 @@ def test_one_launch_per_dtype_group(monkeypatch):
 def test_environment_variable_forces_triton(monkeypatch):
     model = odd_gpt(lrm=True)
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
-    fused_gauge_fix(model)
+    gaugeopt.gauge_fix(model)
     d = dispatch.last_decision("gauge_fix")
     assert (d.backend, d.source) == ("triton", "environment") and "interpreter" in d.reason
     monkeypatch.delenv(dispatch.ENV_VAR)
-    fused_gauge_fix(model)
+    gaugeopt.gauge_fix(model)
     assert dispatch.last_decision("gauge_fix").backend == "torch"  # auto on CPU: the reference
 
 

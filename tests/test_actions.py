@@ -1,7 +1,6 @@
 """Gauge actions: every valid action preserves the function to rounding (float64), every
 invalid control changes it, on every adapter (plain and with learnable multipliers)."""
 
-import copy
 
 import pytest
 import torch

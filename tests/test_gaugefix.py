@@ -3,7 +3,6 @@ function unchanged, the right tensors touched, RoPE refusals, V/O, magnitude con
 
 import copy
 import doctest
-import pathlib
 import re
 
 import pytest

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gaugeopt
-from gaugeopt.kernels import dispatch, fused_gauge_fix
+from gaugeopt.kernels import dispatch
 from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
 from kernel_helpers import assert_same_fix, odd_gpt, train_steps, twin
 
@@ -57,10 +57,10 @@ def test_forcing_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
     model = odd_gpt(lrm=True)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(gaugeopt.GaugeError, match="backend='triton'.*TRITON_INTERPRET=1 is not set"):
-        fused_gauge_fix(model, backend="triton")
+        gaugeopt.gauge_fix(model, backend="triton")
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     with pytest.raises(gaugeopt.GaugeError, match="GAUGEOPT_BACKEND=triton.*cpu"):
-        fused_gauge_fix(model)
+        gaugeopt.gauge_fix(model)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "nothing may be written"
 
 
@@ -104,7 +104,7 @@ def test_torch_path_is_the_core_itself():
     m2, o2 = twin(model, opt)
     m3, o3 = twin(model, opt)
     r1 = gaugeopt.gauge_fix(model, opt, vo=True)
-    r2 = fused_gauge_fix(m2, o2, vo=True, backend="torch")
+    r2 = gaugeopt.gauge_fix(m2, o2, vo=True, backend="torch")
     r3 = gauge_fix_reference(m3, o3, vo=True)
     for m, o, r in ((m2, o2, r2), (m3, o3, r3)):
         assert_same_fix(model, opt, r1, m, o, r, torch.float64)
@@ -113,7 +113,7 @@ def test_torch_path_is_the_core_itself():
 
 
 def test_importing_gaugeopt_and_kernels_does_not_import_triton():
-    code = ("import sys, gaugeopt, gaugeopt.kernels; from gaugeopt.kernels import dispatch, fused_gauge_fix; "
+    code = ("import sys, gaugeopt, gaugeopt.kernels; from gaugeopt.kernels import dispatch; "
             "import gaugeopt.kernels.ops; print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -12,8 +12,10 @@ import copy
 import pytest
 import torch
 
+import gaugeopt
+
 import zoo
-from gaugeopt.kernels import FusedGaugeFix, dispatch, fused_gauge_fix, fused_project, fused_vertical
+from gaugeopt.kernels import FusedGaugeFix, dispatch, fused_project, fused_vertical
 from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
 from gaugeopt.kernels.projection_reference import project_reference, vertical_reference
 from kernel_helpers import TOL, assert_same_fields, assert_same_fix, odd_gpt, random_field, train_steps, twin
@@ -43,7 +45,7 @@ def test_cuda_float32_matches_the_core_and_auto_picks_triton(name, lrm):
     train_steps(model, opt)
     m2, o2 = twin(model, opt)
     r1 = gauge_fix_reference(model, opt, vo=True)
-    r2 = fused_gauge_fix(m2, o2, vo=True)  # auto on CUDA
+    r2 = gaugeopt.gauge_fix(m2, o2, vo=True)  # auto on CUDA
     assert dispatch.last_decision("gauge_fix").backend == "triton", dispatch.explain()
     assert_same_fix(model, opt, r1, m2, o2, r2, torch.float32)
     assert r2.heads_fixed == r1.heads_fixed > 0
@@ -67,7 +69,7 @@ def test_low_precision_within_one_storage_rounding(lrm, dtype, state_dtype):
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2, amsgrad=True)
     ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # casts the moments to float32
     r_ref = gauge_fix_reference(ref_model, ref_opt, vo=True)
-    r = fused_gauge_fix(model, opt, vo=True, backend="triton")
+    r = gaugeopt.gauge_fix(model, opt, vo=True, backend="triton")
     for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.float(), q, **TOL[dtype], msg=lambda m: f"{n}: {m}")
         for key, v in opt.state[p].items():

@@ -303,8 +303,6 @@ def test_refusals():
 
 def test_fix_every_runs_gaugefix_with_the_inner_optimizer():
     """GaugeFix-LRM every N steps (gaugeopt.gaugefix): the Q/K multiplier drift is reset to 0."""
-    from gaugeopt.gaugefix import gauge_fix  # noqa: F401  (the integration target)
-
     model = _model(lrm=True, dtype=torch.float32)
     opt = GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model, fix_every=2)
     _train(model, opt, _batches(3))
