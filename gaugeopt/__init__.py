@@ -26,7 +26,7 @@ from .equivalence import equivalent, fingerprint
 from .errors import GaugeError
 from .gaugefix import GaugeFixReport, gauge_fix
 from .lrm import LRMLinear, apply_lrm, lrm_param_groups
-from .merge import merge
+from .merging import merge
 from .optim import GaugeProjected
 from .projection import GaugeProjector
 from .rope import RopeSpec

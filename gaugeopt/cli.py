@@ -295,7 +295,7 @@ def _cmd_equivalent(args) -> int:
 def _cmd_merge(args) -> int:
     from .actions import relative_change
     from .checkpoint import forward_logits
-    from .merge import average, merge
+    from .merging import average, merge
 
     a = _load(args.model_a, args.config_a, args)
     b = _load(args.model_b, args.config_b, args)

@@ -1,4 +1,4 @@
-"""Gauge-aligned merging (gaugeopt.merge): merging a model with its gauge copy returns the model's
+"""Gauge-aligned merging (gaugeopt.merging): merging a model with its gauge copy returns the model's
 function while naive averaging does not; Hungarian matching and Procrustes checked on their own."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import gaugeopt
-import gaugeopt.merge as merge_mod
+import gaugeopt.merging as merge_mod
 import zoo
 from gaugeopt.actions import act_qk, act_vo, permute_heads
-from gaugeopt.merge import align, attention_distance, average, merge
+from gaugeopt.merging import align, attention_distance, average, merge
 from gaugeopt.rope import commutant_basis
 from model_tools_helpers import CORE_CASES, CORE_IDS, attention_change, gauge_kinds, perturb
 

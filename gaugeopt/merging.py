@@ -27,7 +27,7 @@ undo what differs between *different* models; with ``residual="keep"`` they do t
 
 Example:
     >>> import copy, torch, gaugeopt
-    >>> from gaugeopt.merge import merge
+    >>> from gaugeopt.merging import merge
     >>> from gaugeopt.models import GPT, GPTConfig
     >>> _ = torch.manual_seed(0)
     >>> a = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)).double()
