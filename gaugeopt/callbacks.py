@@ -44,7 +44,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from .drift import GRANULARITIES, MODES, VO_GRANULARITIES, plan_pairs
+from .drift import GRANULARITIES, MODES, VO_GRANULARITIES, _check_choice, plan_pairs
 from .errors import GaugeError
 from .gaugefix import gauge_fix
 from .structure import AttentionSite, find_attention
@@ -57,11 +57,6 @@ def _check_every(every: Any) -> int:
     if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
         raise GaugeError(f"every={every!r} must be a positive integer number of optimizer steps")
     return every
-
-
-def _check_choice(name: str, value: Any, choices: Sequence) -> None:
-    if value not in choices:
-        raise GaugeError(f"{name}={value!r} is not one of {tuple(choices)}")
 
 
 class _StepCounter(Callback):

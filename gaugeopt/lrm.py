@@ -31,7 +31,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -278,8 +278,3 @@ def lrm_param_groups(
         if ps
     ]
 
-
-def iter_lrm_modules(model: nn.Module) -> Iterable[tuple[str, LRMLinear]]:
-    for name, m in model.named_modules():
-        if isinstance(m, LRMLinear):
-            yield name, m

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torchmetrics import Metric
 
-from .drift import drift_table
+from .drift import drift_table, qk_drift
 
 __all__ = ["QKDriftMetric", "ScaleProductMetric", "VerticalFractionMetric"]
 
@@ -53,8 +53,7 @@ class QKDriftMetric(Metric):
 
     def update(self, model_or_drift: nn.Module | torch.Tensor) -> None:
         if isinstance(model_or_drift, nn.Module):
-            tables = drift_table(model_or_drift, granularity=self.granularity)
-            d = torch.stack([t.drift.max() for t in tables]).max()
+            d = torch.tensor(qk_drift(model_or_drift, granularity=self.granularity), dtype=torch.float64)
         else:
             d = torch.as_tensor(model_or_drift).max()
         self.value = torch.maximum(self.value, d.detach().to(self.value))

@@ -23,16 +23,6 @@ CASES = [(n, lrm) for n in MODELS for lrm in (False, True)] + [("torch_mha", Fal
 IDS = [n + ("+lrm" if lrm else "") for n, lrm in CASES]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: one thread is faster, and immune to OpenMP spin-waiting when the
-    two cores are shared (measured: a 25× slowdown of these tests under a load of 6)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # float64: the fix itself is exact to ~1e-16 per entry; the residual drift is eq. 4's own bias
 # ε·(1/s_K − 1/s_Q) ≲ 1e-11 for scales ≳ 0.1. float32: rounding of the two products (~1e-7).
 TOL = {torch.float64: dict(logits=1e-12, drift=1e-10), torch.float32: dict(logits=1e-5, drift=1e-6)}

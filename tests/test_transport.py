@@ -18,16 +18,6 @@ from gaugeopt.transport import (
     classify_state, register_state_rule, rescale_param, rescale_state, state_rule, storage_factor,
 )
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These models are tiny: one thread is faster, and immune to OpenMP spin-waiting when the
-    two cores are shared (measured: a 25× slowdown of these tests under a load of 6)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 STEPS = 3
 
 OPTIMIZERS = {
