@@ -95,36 +95,38 @@ class _StepCounter(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_conflicts(trainer)
-        owners = self._owning_optimizers(trainer)
+        self._optimizer = self._owning_optimizer(trainer)
         self._remove_hooks()
-        for opt in owners:
-            self._handles.append(opt.register_step_pre_hook(self._pre_step))
-            self._handles.append(opt.register_step_post_hook(self._post_step))
-        self._optimizer = owners[0]
+        self._handles.append(self._optimizer.register_step_pre_hook(self._pre_step))
+        self._handles.append(self._optimizer.register_step_post_hook(self._post_step))
 
     def _check_conflicts(self, trainer: pl.Trainer) -> None:
         pass
 
-    def _owning_optimizers(self, trainer: pl.Trainer) -> list[torch.optim.Optimizer]:
+    def _owning_optimizer(self, trainer: pl.Trainer) -> torch.optim.Optimizer:
+        """The one optimizer that steps the attention parameters. Split over several, a fix would
+        transport only one optimizer's state and a projection would see only part of the step."""
         wanted = {id(ref.param) for s in self.sites for _, ref in s.refs()}
-        owners = []
-        for opt in trainer.optimizers:
-            held = {id(p) for g in opt.param_groups for p in g["params"]}
-            if held & wanted:
-                owners.append(opt)
+        owners = [
+            opt for opt in trainer.optimizers
+            if wanted & {id(p) for g in opt.param_groups for p in g["params"]}
+        ]
         if not owners:
             raise GaugeError(
                 f"{type(self).__name__}: no optimizer of this run updates the attention parameters it watches "
                 f"({len(wanted)} tensors in {len(self.sites)} layers); check configure_optimizers"
             )
-        return owners
+        if len(owners) > 1:
+            raise GaugeError(
+                f"{type(self).__name__}: the attention parameters are split over {len(owners)} optimizers; keep every "
+                "Q/K/V/O tensor (weights, biases, multipliers) in one optimizer (other parameters may use others)"
+            )
+        return owners[0]
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         pass
 
     def _post_step(self, optimizer, args, kwargs) -> None:
-        if optimizer is not self._optimizer:
-            return
         self.optimizer_steps += 1
         if self.should_run(self.optimizer_steps):
             self._pending.update(self._act(optimizer))
@@ -287,7 +289,7 @@ class GaugeMonitor(_StepCounter):
         return {n: named[n] for n in self._projector.param_names()}
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        if optimizer is self._optimizer and self.measure_vertical and self.should_run(self.optimizer_steps + 1):
+        if self.measure_vertical and self.should_run(self.optimizer_steps + 1):
             self._snapshot = {n: p.detach().clone() for n, p in self._params().items()}
 
     def _act(self, optimizer) -> dict[str, float]:
@@ -370,7 +372,7 @@ class GaugeProjection(_StepCounter):
     def _pre_step(self, optimizer, args, kwargs) -> None:
         from .optim import snapshot
 
-        if optimizer is self._optimizer and self.target == "update":
+        if self.target == "update":
             self._before = snapshot(self.projector, self._module)
 
     @override
@@ -386,7 +388,7 @@ class GaugeProjection(_StepCounter):
     def _post_step(self, optimizer, args, kwargs) -> None:
         from .optim import remove_vertical_update_
 
-        if optimizer is self._optimizer and self.target == "update" and self._before is not None:
+        if self.target == "update" and self._before is not None:
             self._norms = remove_vertical_update_(self.projector, self._module, self._before)
             self._before = None
         super()._post_step(optimizer, args, kwargs)

@@ -379,3 +379,25 @@ def test_fsdp2_model_parallel_strategy(tmp_path):
     assert out["sharded"]  # the attention parameters really were DTensors
     assert max(out["before"]) > 1e-4 and max(out["after"]) <= 1e-6
     assert out["drift_full"] <= 1e-6  # measured again on the gathered parameters after the run
+
+
+def test_attention_split_over_two_optimizers_is_refused(tmp_path):
+    """A fix would transport only one optimizer's state: refused before the first batch."""
+
+    class Split(TinyLit):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def configure_optimizers(self):
+            site = gaugeopt.find_attention(self.model)[0]
+            q_mults = [site.q.row_mult.param]
+            rest = [p for p in self.model.parameters() if p is not q_mults[0]]
+            return torch.optim.AdamW(q_mults, lr=1e-2), torch.optim.AdamW(rest, lr=1e-2)
+
+        def training_step(self, batch, batch_idx):
+            return None  # never reached
+
+    t = trainer(tmp_path, max_steps=1, callbacks=[GaugeFix(every=1)])
+    with pytest.raises(GaugeError, match="split over 2 optimizers"):
+        t.fit(Split(), token_loader(1))
