@@ -45,11 +45,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import gaugeopt  # noqa: E402
-from gaugeopt.drift import plan_pairs  # noqa: E402
+from gaugeopt.fix.plan import plan_pairs  # noqa: E402
 from gaugeopt.kernels import FusedGaugeFix, fused_vertical  # noqa: E402
 from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference  # noqa: E402
 from gaugeopt.models.gpt import CausalSelfAttention, GPTConfig  # noqa: E402
-from gaugeopt.projection import GaugeProjector  # noqa: E402
+from gaugeopt.projection.projector import GaugeProjector  # noqa: E402
 
 MODELS = {
     "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, bias=True, rope="none"),

@@ -34,16 +34,15 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import statistics
 import time
 
 import torch
 
 import gaugeopt
-from gaugeopt.diagnostics import vertical_report
+from gaugeopt.projection.diagnostics import vertical_report
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.projection import GaugeProjector
+from gaugeopt.projection.projector import GaugeProjector
 
 
 def corpus() -> tuple[torch.Tensor, int]:

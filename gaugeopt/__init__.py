@@ -16,22 +16,22 @@ Example:
     (2, 256)
 """
 
-from .actions import invalid_gauge_transform, random_gauge_transform, relative_change
-from .canonical import canonical_metrics, canonicalize
-from .checkpoint import load_checkpoint, save_checkpoint
-from .counting import gauge_dimension
-from .diagnostics import vertical_fraction, vertical_report
-from .drift import qk_drift, vo_drift
-from .equivalence import equivalent, fingerprint
-from .errors import GaugeError
-from .gaugefix import GaugeFixReport, gauge_fix
-from .lrm import LRMLinear, apply_lrm, lrm_param_groups
-from .merging import merge
-from .optim import GaugeProjected
-from .projection import GaugeProjector
-from .rope import RopeSpec
-from .structure import AttentionSite, find_attention, register_adapter, site_from_linears
-from .transport import register_state_rule
+from gaugeopt.structure.actions import invalid_gauge_transform, random_gauge_transform, relative_change
+from gaugeopt.tools.canonical import canonical_metrics, canonicalize
+from gaugeopt.tools.checkpoint import load_checkpoint, save_checkpoint
+from gaugeopt.tools.counting import gauge_dimension
+from gaugeopt.projection.diagnostics import vertical_fraction, vertical_report
+from gaugeopt.fix.plan import qk_drift, vo_drift
+from gaugeopt.tools.equivalence import equivalent, fingerprint
+from gaugeopt.errors import GaugeError
+from gaugeopt.fix.gaugefix import GaugeFixReport, gauge_fix
+from gaugeopt.structure.lrm import LRMLinear, apply_lrm, lrm_param_groups
+from gaugeopt.tools.merging import merge
+from gaugeopt.integrations.optim import GaugeProjected
+from gaugeopt.projection.projector import GaugeProjector
+from gaugeopt.structure.rope import RopeSpec
+from gaugeopt.structure.site import AttentionSite, find_attention, register_adapter, site_from_linears
+from gaugeopt.fix.transport import register_state_rule
 
 __version__ = "0.1.0"
 

@@ -1,6 +1,6 @@
-"""``python -m gaugeopt`` runs the command line (:mod:`gaugeopt.cli`)."""
+"""``python -m gaugeopt`` runs the command line (:mod:`gaugeopt.tools.cli`)."""
 
-from .cli import main
+from gaugeopt.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

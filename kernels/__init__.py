@@ -4,7 +4,7 @@
   :func:`gaugeopt.gauge_fix` takes it on CUDA through :func:`try_fused_gauge_fix`;
   :class:`FusedGaugeFix` plans and dispatches once and reuses the packed tables across calls.
 * :func:`fused_vertical`, :func:`fused_project` — the closed-form projection sectors
-  (``lrm_qk``, ``lrm_vo``, full-rotary ``qk``) of :class:`gaugeopt.projection.GaugeProjector`
+  (``lrm_qk``, ``lrm_vo``, full-rotary ``qk``) of :class:`gaugeopt.projection.projector.GaugeProjector`
   in one launch (:mod:`.projection_triton`; reference :mod:`.projection_reference`).
 * :mod:`.dispatch` — which implementation runs (``backend=``, ``GAUGEOPT_BACKEND``), and why.
 

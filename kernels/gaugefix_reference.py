@@ -1,9 +1,9 @@
 """The torch reference of the fused GaugeFix kernel: the core :func:`gaugeopt.gauge_fix` itself.
 
 The kernel (:mod:`gaugeopt.kernels.gaugefix_triton`) must reproduce what the core computes —
-per-channel mean squares (:func:`gaugeopt.drift.read_mean_squares`), slot scales and factors
-(:func:`gaugeopt.gaugefix.balance_factors`), in-place rescale of parameters and optimizer
-state (:func:`gaugeopt.gaugefix.apply_factors`) — so the reference *is* the core, called
+per-channel mean squares (:func:`gaugeopt.fix.plan.read_mean_squares`), slot scales and factors
+(:func:`gaugeopt.fix.gaugefix.balance_factors`), in-place rescale of parameters and optimizer
+state (:func:`gaugeopt.fix.gaugefix.apply_factors`) — so the reference *is* the core, called
 with the torch path forced, never a second implementation.
 
 Example:
@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from gaugeopt.gaugefix import GaugeFixReport, gauge_fix
+from gaugeopt.fix.gaugefix import GaugeFixReport, gauge_fix
 
 __all__ = ["gauge_fix_reference"]
 

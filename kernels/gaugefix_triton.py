@@ -1,7 +1,7 @@
 """GaugeFix in one Triton launch: statistics, factors, parameter and Adam-state rescale, drift.
 
 The torch core (:func:`gaugeopt.gauge_fix`) reads the per-channel mean squares of every side,
-stacks them, calls :func:`gaugeopt.gaugefix.balance_factors` and rescales parameters and
+stacks them, calls :func:`gaugeopt.fix.gaugefix.balance_factors` and rescales parameters and
 optimizer state tensor by tensor — hundreds of small launches for a GPT-2. Here one program
 owns one KV group ``j`` of one plan (a layer's Q/K or V/O gauge) and does all of it::
 
@@ -30,7 +30,7 @@ match the torch core to the last bits in float32.
 Example (on CUDA tensors; on CPU only with ``TRITON_INTERPRET=1`` set before this module is
 imported, which is how ``tests/test_kernels_interpreter.py`` runs it):
     >>> import torch, gaugeopt
-    >>> from gaugeopt.drift import plan_pairs
+    >>> from gaugeopt.fix.plan import plan_pairs
     >>> from gaugeopt.kernels.gaugefix_triton import gauge_fix_triton
     >>> from gaugeopt.models import GPT, GPTConfig
     >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)))
@@ -50,11 +50,11 @@ import torch
 import triton
 import triton.language as tl
 
-from gaugeopt.distributed import is_dtensor
-from gaugeopt.drift import PairPlan
+from gaugeopt.fix.distributed import is_dtensor
+from gaugeopt.fix.plan import PairPlan
 from gaugeopt.errors import GaugeError
-from gaugeopt.gaugefix import GaugeFixReport, PairRecord, check_fix_options
-from gaugeopt.transport import _shaped_keys, classify_state, state_rule, unwrap_optimizer
+from gaugeopt.fix.gaugefix import GaugeFixReport, PairRecord, check_fix_options
+from gaugeopt.fix.transport import _shaped_keys, classify_state, state_rule, unwrap_optimizer
 
 __all__ = ["gauge_fix_triton", "prepare_fix", "PreparedFix", "fingerprint", "unsupported_reason", "SUPPORTED_DTYPES"]
 
@@ -527,7 +527,7 @@ def gauge_fix_triton(
     product_max: float | None = None,
     eps: float = 1e-12,
 ) -> GaugeFixReport:
-    """Fused GaugeFix of ``plans`` (:func:`gaugeopt.drift.plan_pairs`), in place.
+    """Fused GaugeFix of ``plans`` (:func:`gaugeopt.fix.plan.plan_pairs`), in place.
 
     Same semantics and report as the torch core (:func:`gaugeopt.gauge_fix` after planning;
     pass ``optimizer=None`` for ``transport_state=False``). One kernel launch per
@@ -538,11 +538,11 @@ def gauge_fix_triton(
     Args:
         plans: pairs to balance; every tensor on one device (CUDA, or CPU under
             ``TRITON_INTERPRET=1``), no DTensor, one dtype per plan.
-        optimizer: whose state to transport (Adam/AdamW/SGD/... rules of :mod:`gaugeopt.transport`).
+        optimizer: whose state to transport (Adam/AdamW/SGD/... rules of :mod:`gaugeopt.fix.transport`).
         unknown_state, product_decay, product_max, eps: as :func:`gaugeopt.gauge_fix`.
 
     Returns:
-        :class:`gaugeopt.gaugefix.GaugeFixReport`; its per-pair tensors are views of one
+        :class:`gaugeopt.fix.gaugefix.GaugeFixReport`; its per-pair tensors are views of one
         ``(4, Σ h_kv·n_slots)`` output tensor per launch (float32, float64 for float64 parameters).
     """
     return prepare_fix(plans, optimizer, unknown_state=unknown_state, product_decay=product_decay,

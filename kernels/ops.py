@@ -21,10 +21,10 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from gaugeopt.drift import PairPlan, plan_pairs
+from gaugeopt.fix.plan import PairPlan, plan_pairs
 from gaugeopt.errors import GaugeError
-from gaugeopt.gaugefix import GaugeFixReport
-from gaugeopt.structure import AttentionSite, find_attention
+from gaugeopt.fix.gaugefix import GaugeFixReport
+from gaugeopt.structure.site import AttentionSite, find_attention
 
 from . import dispatch
 

@@ -1,8 +1,8 @@
-"""The torch reference of the fused projection kernels: :class:`gaugeopt.projection.GaugeProjector`.
+"""The torch reference of the fused projection kernels: :class:`gaugeopt.projection.projector.GaugeProjector`.
 
 :mod:`gaugeopt.kernels.projection_triton` fuses the closed-form sectors — ``lrm_qk``,
-``lrm_vo`` (:class:`gaugeopt.lrm_sectors.DiagonalSector`) and ``qk`` under full-rotary RoPE
-(the plane closed form of :mod:`gaugeopt.sectors`) — so the reference is the core projector
+``lrm_vo`` (:class:`gaugeopt.projection.multipliers.DiagonalSector`) and ``qk`` under full-rotary RoPE
+(the plane closed form of :mod:`gaugeopt.projection.dense`) — so the reference is the core projector
 restricted to that one sector, never a second implementation.
 
 Example:
@@ -22,8 +22,8 @@ from typing import Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from gaugeopt.projection import GaugeProjector
-from gaugeopt.structure import AttentionSite
+from gaugeopt.projection.projector import GaugeProjector
+from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["vertical_reference", "project_reference"]
 

@@ -1,9 +1,9 @@
 """Closed-form gauge projections in one Triton launch: diagonal multiplier gauges, RoPE planes.
 
-The torch core (:class:`gaugeopt.projection.GaugeProjector`) handles these sectors site by
+The torch core (:class:`gaugeopt.projection.projector.GaugeProjector`) handles these sectors site by
 site with a dozen tensor ops each (gathers, products, ``index_add``, a batched 2×2 ``eigh``).
-Here one launch covers every layer (DESIGN.md §4, :mod:`gaugeopt.lrm_sectors`,
-:mod:`gaugeopt.sectors`):
+Here one launch covers every layer (DESIGN.md §4, :mod:`gaugeopt.projection.multipliers`,
+:mod:`gaugeopt.projection.dense`):
 
 **Diagonal** (``lrm_qk``: ``r_Q`` vs ``r_K`` per channel or RoPE plane; ``lrm_vo``: ``r_V`` vs
 ``c_O`` per channel). One program per layer, two sweeps over its KV groups ``j``::
@@ -32,7 +32,7 @@ input is float64, like the core's compute dtype). Nothing syncs with the host ex
 final flag check (an exact-zero multiplier, which the core refuses too).
 
 Partial rotary (a dense non-rotary block) and the ``vo`` sector need the Sylvester solve and
-stay on the torch path (:mod:`gaugeopt.sylvester`: batched ``eigh`` + matmuls).
+stay on the torch path (:mod:`gaugeopt.projection.sylvester`: batched ``eigh`` + matmuls).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import triton
 import triton.language as tl
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.rope import plane_index
-from gaugeopt.structure import AttentionSite, TensorRef
-from gaugeopt.sylvester import default_rtol
+from gaugeopt.structure.rope import plane_index
+from gaugeopt.structure.site import AttentionSite, TensorRef
+from gaugeopt.projection.sylvester import default_rtol
 
 __all__ = ["FUSED_SECTORS", "vertical_triton", "unsupported_reason"]
 

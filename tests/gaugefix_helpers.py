@@ -1,7 +1,7 @@
 """Independent references for the GaugeFix tests.
 
 Scales are recomputed here from the canonical views with plain Python loops over KV groups
-and slots (planes listed from ``RopeSpec.planes``), not through gaugeopt.drift's batched
+and slots (planes listed from ``RopeSpec.planes``), not through gaugeopt.fix.plan's batched
 one-hot reductions, so that a layout or grouping bug in the library cannot hide in both.
 """
 
@@ -12,7 +12,7 @@ import math
 import torch
 
 import gaugeopt
-from gaugeopt.structure import AttentionSite
+from gaugeopt.structure.site import AttentionSite
 
 
 def side_rows(site: AttentionSite, proj: str, mode: str) -> torch.Tensor:

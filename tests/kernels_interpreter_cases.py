@@ -114,7 +114,7 @@ class _Unknown(torch.optim.SGD):
 
 
 def test_unknown_state_policies():
-    gaugeopt.transport.register_state_rule(_Unknown, {"momentum_buffer": 1})  # rule lacks "trace"
+    gaugeopt.fix.transport.register_state_rule(_Unknown, {"momentum_buffer": 1})  # rule lacks "trace"
     model = odd_gpt(lrm=True)
     opt = _setup(model, _Unknown, momentum=0.9)
     m2, o2 = twin(model, opt)

@@ -1,6 +1,6 @@
 """Reference constructions for the projection tests, independent of gaugeopt's projector.
 
-Generators are the derivatives of the *finite* gauge actions of :mod:`gaugeopt.actions`
+Generators are the derivatives of the *finite* gauge actions of :mod:`gaugeopt.structure.actions`
 (``act_qk``, ``act_vo``, ``scale_qk_multipliers``, ``scale_vo_multipliers``,
 ``rescale_lrm_internal``) at the identity, taken by the complex-step method: on a complex
 copy of the model, apply the action with group element ``I + iε·E`` and read
@@ -23,9 +23,9 @@ import torch
 import torch.nn as nn
 
 import gaugeopt
-from gaugeopt.actions import act_qk, act_vo, rescale_lrm_internal, scale_qk_multipliers, scale_vo_multipliers
-from gaugeopt.lrm import LRMLinear
-from gaugeopt.rope import commutant_basis, plane_index
+from gaugeopt.structure.actions import act_qk, act_vo, rescale_lrm_internal, scale_qk_multipliers, scale_vo_multipliers
+from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.structure.rope import commutant_basis, plane_index
 
 EPS = 1e-30
 CDT = torch.complex128

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from gaugeopt.structure import AttentionSite
+from gaugeopt.structure.site import AttentionSite
 
 
 def rotate(x: torch.Tensor, planes, base: float, rotary_dim: int, angle_dtype=torch.float64) -> torch.Tensor:

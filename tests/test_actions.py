@@ -8,7 +8,7 @@ import torch
 import gaugeopt
 import zoo
 from gaugeopt import GaugeError
-from gaugeopt.actions import (
+from gaugeopt.structure.actions import (
     INVALID_KINDS,
     act_qk,
     permute_heads,
@@ -136,7 +136,7 @@ def test_float32_valid_actions_stay_at_rounding_level():
 
 
 def test_check_invariance_report():
-    from gaugeopt.testing import check_invariance
+    from gaugeopt.structure.invariance import check_invariance
 
     case = zoo.build("hf_llama")
     report = check_invariance(case.model, case.forward)

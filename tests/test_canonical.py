@@ -1,18 +1,16 @@
-"""Canonical forms (gaugeopt.canonical): function preserved, section equations, uniqueness up to
+"""Canonical forms (gaugeopt.tools.canonical): function preserved, section equations, uniqueness up to
 exactly the stated residual freedom, head order, metrics, LRM folding, errors."""
 
 from __future__ import annotations
 
-import doctest
 
 import pytest
 import torch
 
 import gaugeopt
-import gaugeopt.canonical as canonical_mod
 import zoo
-from gaugeopt.canonical import canonicalize, section_residual
-from gaugeopt.rope import commutant_basis
+from gaugeopt.tools.canonical import canonicalize, section_residual
+from gaugeopt.structure.rope import commutant_basis
 from model_tools_helpers import (
     CANON_CASES,
     CANON_IDS,
@@ -233,7 +231,3 @@ def test_margins_reported(cases):
     assert all(0 < v < 1 for v in report.margins.values())
     kept = canonicalize(cases["gpt"].model, "qr", residual="keep")
     assert kept.margins["spectral_gap"] == float("inf") and kept.margins["sign_margin"] == float("inf")
-
-
-def test_docstring_examples():
-    assert doctest.testmod(canonical_mod, optionflags=doctest.ELLIPSIS).failed == 0

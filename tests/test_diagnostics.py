@@ -13,12 +13,12 @@ import gaugeopt
 import projection_helpers as H
 import zoo
 from gaugeopt import GaugeError
-from gaugeopt.diagnostics import fisher_rao_split, holonomy, vertical_fraction, vertical_report
+from gaugeopt.projection.diagnostics import fisher_rao_split, holonomy, vertical_fraction, vertical_report
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.projection import GaugeProjector
-from gaugeopt.rope import RopeSpec
-from gaugeopt.structure import Projection
-from gaugeopt.testing import randomize_parameters
+from gaugeopt.projection.projector import GaugeProjector
+from gaugeopt.structure.rope import RopeSpec
+from gaugeopt.structure.site import Projection
+from gaugeopt.structure.invariance import randomize_parameters
 
 
 def _invariant_grad(case) -> dict[str, torch.Tensor]:
@@ -144,7 +144,7 @@ def test_fisher_rao_split_with_identity_metric_is_the_euclidean_projection():
 
 
 def test_fisher_rao_split_with_an_spd_metric_matches_weighted_least_squares():
-    """Against generators built independently (complex step through gaugeopt.actions)."""
+    """Against generators built independently (complex step through gaugeopt.structure.actions)."""
     model = _tiny(rope="interleaved", n_kv_head=1, n_head=2)
     names = [n for n, _ in model.named_parameters()]
     shapes = {n: p.shape for n, p in model.named_parameters()}

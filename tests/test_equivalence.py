@@ -1,18 +1,16 @@
-"""Equivalence up to the attention gauge group (gaugeopt.equivalence): true for gauge copies,
+"""Equivalence up to the attention gauge group (gaugeopt.tools.equivalence): true for gauge copies,
 false for small non-gauge perturbations, distances checked against dense circuits."""
 
 from __future__ import annotations
 
-import doctest
 
 import pytest
 import torch
 
 import gaugeopt
-import gaugeopt.equivalence as equivalence_mod
 import zoo
-from gaugeopt.actions import INVALID_KINDS, permute_heads
-from gaugeopt.equivalence import compare, equivalent, fingerprint, match_heads
+from gaugeopt.structure.actions import INVALID_KINDS, permute_heads
+from gaugeopt.tools.equivalence import compare, equivalent, fingerprint, match_heads
 from model_tools_helpers import (
     CORE_CASES,
     CORE_IDS,
@@ -154,7 +152,3 @@ def test_tolerance_is_validated():
     case = zoo.build("gpt", 0)
     with pytest.raises(gaugeopt.GaugeError, match="tol=-1"):
         compare(case.model, case.model, -1)
-
-
-def test_docstring_examples():
-    assert doctest.testmod(equivalence_mod).failed == 0

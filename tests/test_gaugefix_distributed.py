@@ -15,10 +15,10 @@ import torch.nn.functional as F
 import gaugeopt
 import zoo
 from gaugefix_helpers import add_drift
-from gaugeopt.gaugefix import gauge_fix, qk_drift
-from gaugeopt.drift import vo_drift
+from gaugeopt.fix.gaugefix import gauge_fix, qk_drift
+from gaugeopt.fix.plan import vo_drift
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.testing import randomize_parameters
+from gaugeopt.structure.invariance import randomize_parameters
 
 pytestmark = pytest.mark.slow
 WORLD = 2

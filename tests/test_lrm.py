@@ -9,7 +9,7 @@ import gaugeopt
 import zoo
 from gaugeopt import GaugeError, LRMLinear
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.testing import randomize_parameters
+from gaugeopt.structure.invariance import randomize_parameters
 
 
 @pytest.mark.parametrize("name", ["gpt", "gpt_rope_split_half_gqa", "hf_gpt2", "hf_llama", "hf_qwen2"])

@@ -1,21 +1,19 @@
-"""Gauge-aligned merging (gaugeopt.merging): merging a model with its gauge copy returns the model's
+"""Gauge-aligned merging (gaugeopt.tools.merging): merging a model with its gauge copy returns the model's
 function while naive averaging does not; Hungarian matching and Procrustes checked on their own."""
 
 from __future__ import annotations
 
 import copy
-import doctest
 import sys
 
 import pytest
 import torch
 
 import gaugeopt
-import gaugeopt.merging as merge_mod
 import zoo
-from gaugeopt.actions import act_qk, act_vo, permute_heads
-from gaugeopt.merging import align, attention_distance, average, merge
-from gaugeopt.rope import commutant_basis
+from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
+from gaugeopt.tools.merging import align, attention_distance, average, merge
+from gaugeopt.structure.rope import commutant_basis
 from model_tools_helpers import CORE_CASES, CORE_IDS, attention_change, gauge_kinds, perturb
 
 
@@ -105,7 +103,3 @@ def test_missing_scipy_gives_an_install_hint(cases, monkeypatch):
     monkeypatch.setitem(sys.modules, "scipy.optimize", None)
     with pytest.raises(gaugeopt.GaugeError, match="pip install scipy"):
         merge(cases["gpt"].model, cases["gpt"].model)
-
-
-def test_docstring_examples():
-    assert doctest.testmod(merge_mod).failed == 0

@@ -14,9 +14,9 @@ import gaugeopt
 import projection_helpers as H
 from gaugeopt import GaugeError
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.optim import GaugeProjected
-from gaugeopt.projection import GaugeProjector
-from gaugeopt.testing import randomize_parameters
+from gaugeopt.integrations.optim import GaugeProjected
+from gaugeopt.projection.projector import GaugeProjector
+from gaugeopt.structure.invariance import randomize_parameters
 
 
 VOCAB, T = 32, 12
@@ -302,7 +302,7 @@ def test_refusals():
 
 
 def test_fix_every_runs_gaugefix_with_the_inner_optimizer():
-    """GaugeFix-LRM every N steps (gaugeopt.gaugefix): the Q/K multiplier drift is reset to 0."""
+    """GaugeFix-LRM every N steps (gaugeopt.fix.gaugefix): the Q/K multiplier drift is reset to 0."""
     model = _model(lrm=True, dtype=torch.float32)
     opt = GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model, fix_every=2)
     _train(model, opt, _batches(3))

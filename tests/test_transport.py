@@ -13,8 +13,8 @@ import gaugeopt
 import zoo
 from gaugefix_helpers import add_drift
 from gaugeopt import GaugeError
-from gaugeopt.gaugefix import gauge_fix
-from gaugeopt.transport import (
+from gaugeopt.fix.gaugefix import gauge_fix
+from gaugeopt.fix.transport import (
     classify_state, register_state_rule, rescale_param, rescale_state, state_rule, storage_factor,
 )
 

@@ -1,5 +1,5 @@
 """Models shipped with gaugeopt (the project's own nanoGPT-style GPT)."""
 
-from .gpt import GPT, GPTConfig
+from gaugeopt.models.gpt import GPT, GPTConfig
 
 __all__ = ["GPT", "GPTConfig"]

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import GaugeError
+from gaugeopt.errors import GaugeError
 
 __all__ = ["GPTConfig", "GPT", "CausalSelfAttention", "Rotary"]
 

@@ -1,0 +1,262 @@
+"""Optimizer-state transport for diagonal reparameterisations ``p ← s ⊙ p``.
+
+A gauge fix that rescales a parameter coordinate-wise changes the coordinates the optimizer
+works in. The loss is the same function of the new parameter ``p' = s ⊙ p``, so by the chain
+rule its gradient is ``∂L/∂p' = (∂L/∂p) / s``. Every moment an optimizer keeps is a sum of
+past gradients (or of their squares), so the state *in the new coordinates* is (DESIGN.md §3)::
+
+    exp_avg        ← exp_avg / s           (Adam, AdamW, NAdam, RAdam)
+    exp_avg_sq     ← exp_avg_sq / s²       max_exp_avg_sq ← max_exp_avg_sq / s²
+    momentum_buffer← momentum_buffer / s   (SGD)
+    sum            ← sum / s²              (Adagrad)
+    step, mu_product, ...                  untouched (they do not depend on the coordinates)
+
+This is exact for diagonal actions: the next step is the step the optimizer would have taken
+had its whole gradient history been measured in the new coordinates (a test checks it against
+an optimizer run from scratch on a reparameterised copy). It is *not* exact when the
+optimizer adds a coupled L2 term ``weight_decay · p`` to the gradient (``Adam(weight_decay>0)``,
+``SGD(weight_decay>0)``): that penalty is not gauge invariant; nor for ``Adagrad`` with a non-zero
+``initial_accumulator_value`` (a constant that is not a sum of squared gradients). Decoupled
+weight decay (AdamW) acts on ``p`` directly and is unaffected.
+
+Known optimizers are recognised by class (first match along the MRO, so subclasses inherit the
+rule) **and** by their state keys: a state tensor shaped like the parameter under a key the rule
+does not list makes the optimizer "unknown" for that parameter. For unknown optimizers the caller
+chooses (``unknown_state``):
+
+* ``"error"`` (default): raise :class:`~gaugeopt.GaugeError` naming the optimizer and the keys;
+* ``"reset"``: drop the parameter's state (the optimizer re-initialises it lazily, as at step 0;
+  for a fused parameter this resets the whole tensor, e.g. all of ``c_attn``);
+* ``"leave"``: keep the stale state (what the paper did; biased right after every fix).
+
+Wrappers that are not :class:`torch.optim.Optimizer` instances (Lightning's
+``LightningOptimizer``) are unwrapped through ``.optimizer`` / ``._optimizer``. Teach a new
+optimizer with :func:`register_state_rule`.
+
+The factor ``s`` is given in *storage layout*, broadcastable against the parameter
+(:func:`storage_factor` builds it from a factor in a :class:`~gaugeopt.structure.site.TensorRef`'s
+canonical view). Parameters and state that are DTensors (FSDP2) are rescaled shard-locally.
+
+Example:
+    >>> import torch
+    >>> from gaugeopt.fix.transport import rescale_state
+    >>> p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    >>> opt = torch.optim.Adam([p])
+    >>> p.grad = torch.tensor([0.5, -1.0]); opt.step()
+    >>> s = torch.tensor([2.0, 0.5])
+    >>> with torch.no_grad(): _ = p.mul_(s)
+    >>> rescale_state(opt, p, s)
+    'transported'
+    >>> opt.state[p]["exp_avg"]
+    tensor([ 0.0250, -0.2000])
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Mapping
+
+import torch
+
+from gaugeopt.fix.distributed import local_factor, local_view
+from gaugeopt.errors import GaugeError
+from gaugeopt.structure.site import TensorRef
+
+__all__ = [
+    "UNKNOWN_STATE_POLICIES",
+    "register_state_rule",
+    "state_rule",
+    "rescale_state",
+    "classify_state",
+    "rescale_param",
+    "storage_factor",
+    "reduced_ref",
+    "unwrap_optimizer",
+]
+
+UNKNOWN_STATE_POLICIES = ("error", "reset", "leave")
+
+# state key -> power k: the entry is divided by s**k (0: untouched, coordinate-free).
+_RULES: dict[type, dict[str, int]] = {}
+
+
+def register_state_rule(cls: type, rule: Mapping[str, int]) -> None:
+    """Declare how ``cls``'s per-parameter state transforms under ``p ← s ⊙ p``.
+
+    ``rule[key] = k`` means ``state[key] ← state[key] / s**k`` (``k = 1`` for gradient averages,
+    ``2`` for averages of squared gradients, ``0`` for coordinate-free entries). Keys holding
+    scalars (``step``) need not be listed.
+    """
+    if not isinstance(cls, type):
+        raise GaugeError(f"register_state_rule expects an optimizer class, got {cls!r}")
+    bad = {k: v for k, v in rule.items() if v not in (0, 1, 2)}
+    if bad:
+        raise GaugeError(f"register_state_rule({cls.__qualname__}): powers must be 0, 1 or 2, got {bad}")
+    _RULES[cls] = dict(rule)
+
+
+_ADAM = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
+for _cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam):
+    register_state_rule(_cls, _ADAM)
+register_state_rule(torch.optim.SGD, {"momentum_buffer": 1})
+register_state_rule(torch.optim.Adagrad, {"sum": 2})
+
+
+def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The :class:`torch.optim.Optimizer` holding the state (through ``.optimizer``/``._optimizer``)."""
+    seen = 0
+    while not isinstance(optimizer, torch.optim.Optimizer):
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None or seen > 8:
+            raise GaugeError(
+                f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none "
+                "(looked for .optimizer and ._optimizer); pass the optimizer that holds the state"
+            )
+        optimizer, seen = inner, seen + 1
+    return optimizer
+
+
+def state_rule(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
+    """The registered rule for ``optimizer``'s class (first match along the MRO), or ``None``."""
+    for cls in type(optimizer).__mro__:
+        if cls in _RULES:
+            return _RULES[cls]
+    return None
+
+
+def _check_policy(unknown_state: str) -> None:
+    if unknown_state not in UNKNOWN_STATE_POLICIES:
+        raise GaugeError(f"unknown_state={unknown_state!r} is not one of {UNKNOWN_STATE_POLICIES}")
+
+
+def classify_state(optimizer, param: torch.Tensor, *, unknown_state: str = "error") -> str:
+    """What :func:`rescale_state` would do, without doing it: ``"no_state"``, ``"transported"``,
+    ``"reset"`` or ``"left"``; raises :class:`GaugeError` for an unknown state under ``"error"``."""
+    _check_policy(unknown_state)
+    opt = unwrap_optimizer(optimizer)
+    state = opt.state.get(param)
+    if not state:
+        return "no_state"
+    rule = state_rule(opt)
+    unknown = [k for k in _shaped_keys(state, param) if rule is None or k not in rule]
+    if not unknown:
+        return "transported"
+    if unknown_state == "error":
+        what = "has no state rule" if rule is None else f"keeps state keys {unknown} that its rule does not cover"
+        raise GaugeError(
+            f"optimizer {type(opt).__qualname__} {what}, so its state cannot be transported after a gauge fix. "
+            "Pass unknown_state='reset' (re-initialise the rescaled parameters' state), 'leave' (keep it stale, "
+            "as paper 002 did), or transport_state=False; or teach it with "
+            "gaugeopt.fix.transport.register_state_rule(cls, {key: power})"
+        )
+    return "reset" if unknown_state == "reset" else "left"
+
+
+def _shaped_keys(state: dict, param: torch.Tensor) -> list[str]:
+    """State entries shaped like the parameter (the per-coordinate statistics)."""
+    return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(param.shape)]
+
+
+@torch.no_grad()
+def rescale_state(
+    optimizer,
+    param: torch.Tensor,
+    factor: torch.Tensor,
+    *,
+    unknown_state: str = "error",
+) -> str:
+    """Transport ``optimizer``'s state of ``param`` after ``param ← factor ⊙ param``.
+
+    Args:
+        optimizer: a :class:`torch.optim.Optimizer` (or a wrapper of one).
+        param: the parameter (a key of ``optimizer.state``; a DTensor under FSDP2).
+        factor: ``s`` in storage layout, broadcastable against ``param`` (a plain tensor,
+            replicated: it is sliced to the local shard of a DTensor state).
+        unknown_state: ``"error"``, ``"reset"`` or ``"leave"`` for an optimizer (or state key)
+            without a rule, see the module docstring.
+
+    Returns:
+        What happened: ``"transported"``, ``"no_state"`` (nothing stored yet), ``"reset"`` or
+        ``"left"``.
+    """
+    what = classify_state(optimizer, param, unknown_state=unknown_state)
+    opt = unwrap_optimizer(optimizer)
+    if what == "reset":
+        opt.state.pop(param, None)
+    elif what == "transported":
+        state, rule = opt.state[param], state_rule(opt)
+        for key in _shaped_keys(state, param):
+            k = rule[key]
+            if k:
+                _scale_(local_view(state[key]), local_factor(factor, state[key]), -k)
+    return what
+
+
+@torch.no_grad()
+def rescale_param(param: torch.Tensor, factor: torch.Tensor) -> None:
+    """``param ← factor ⊙ param`` in place (shard-locally for a DTensor), ``factor`` in storage
+    layout and broadcastable against ``param``."""
+    _scale_(local_view(param), local_factor(factor, param), 1)
+
+
+def _scale_(t: torch.Tensor, factor: torch.Tensor, power: int) -> None:
+    """``t ← t · factor^power`` in place, computed in at least float32 and rounded once: a
+    bf16/fp16 tensor must not see a factor already rounded to 8 or 11 bits."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t.copy_(t.float() * factor.float() ** power)
+    elif power == 1:
+        t.mul_(factor.to(t.dtype))
+    else:
+        f = factor.to(t.dtype)
+        t.div_(f if power == -1 else f ** -power)
+
+
+# ---------------------------------------------------------------------- layout helpers
+def reduced_ref(ref: TensorRef, role: str) -> tuple[TensorRef, int | None, tuple[int, ...]]:
+    """The ref's "one value per channel" layout.
+
+    A diagonal gauge factor is constant along one axis of a weight: the input axis of a
+    Q/K/V weight (canonical ``(heads, width, d)``, axis 2) or the output axis of the O weight
+    (canonical ``(d, h, d_v)``, axis 0); 1-D tensors (biases, multipliers) have none.
+
+    Returns:
+        ``(rref, storage_axis, storage_shape)``: ``rref.view(t)`` maps a tensor of
+        ``storage_shape`` (the parameter's shape with ``storage_axis`` set to 1) to the
+        canonical view with the broadcast axis of size 1.
+    """
+    shape = tuple(ref.param.shape)
+    if len(shape) == 1:
+        return ref, None, shape
+    if len(shape) != 2:
+        raise GaugeError(f"{ref.name}: expected a 1-D or 2-D parameter, got shape {shape}")
+    if role == "o.weight":
+        canon_axis, storage_axis = 0, (1 if ref.transpose else 0)
+    else:
+        canon_axis, storage_axis = len(ref.shape) - 1, (0 if ref.transpose else 1)
+    rshape = list(ref.shape)
+    rshape[canon_axis] = 1
+    sshape = list(shape)
+    sshape[storage_axis] = 1
+    return replace(ref, shape=tuple(rshape)), storage_axis, tuple(sshape)
+
+
+def storage_factor(ref: TensorRef, role: str, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Write a canonical per-channel factor into a storage-layout factor for ``ref.param``.
+
+    Args:
+        ref: where the factor applies; ``role`` its place in the site (``"q.weight"``,
+            ``"o.col_mult"``, ...).
+        factor: one value per channel: ``(heads, width)`` for Q/K/V rows, biases and row
+            multipliers; ``(h, d_v)`` for the O columns and ``c_O``.
+        out: an existing storage factor of the same parameter to multiply into (several refs
+            can point into one fused parameter); a new one of ones otherwise.
+
+    Returns:
+        The storage factor (shape of the parameter with the broadcast axis set to 1).
+    """
+    rref, _, sshape = reduced_ref(ref, role)
+    if out is None:
+        out = torch.ones(sshape, dtype=factor.dtype, device=factor.device)
+    region = rref.view(out)
+    region.mul_(factor.reshape(region.shape))  # (heads, width) -> (heads, width, 1) or (1, h, d_v)
+    return out

@@ -1,0 +1,349 @@
+"""``GaugeProjected``: any ``torch.optim.Optimizer``, with its steps projected off the gauge orbits.
+
+AdamW's per-coordinate scaling and weight decay are not gauge-equivariant, so the step it
+takes has a *vertical* part that moves along gauge orbits without changing the function
+(DESIGN.md §4; measure it with :func:`gaugeopt.vertical_fraction`). The wrapper removes it:
+
+``project="update"`` (default)
+    snapshot the gauge parameters, let the inner optimizer step, and replace the step it
+    took, ``Δ = θ_new − θ_old`` (gradient, momentum, weight decay and all), by its horizontal
+    part at ``θ_old``: ``θ ← θ_new − Π_vert(Δ)`` (= ``θ_old + Π(Δ)``; subtracting from
+    ``θ_new`` keeps every entry no generator touches bit-identical to the inner step).
+``project="grad"``
+    project the gradients before the inner step (paper 000 Algorithm 2's use). For a
+    gauge-invariant loss this removes only rounding (paper 000 Prop. 38); the update itself
+    stays non-equivariant.
+
+Parameters outside every gauge sector (embeddings, MLPs, norms, output biases) are never
+written: they evolve bit-identically to the unwrapped optimizer. The optimizer state (Adam
+moments) is not touched. ``fix_every=N`` calls :func:`gaugeopt.gauge_fix` with the inner
+optimizer every ``N`` steps (GaugeFix-LRM, paper 002).
+
+The wrapper *is* the optimizer for the rest of the training stack: a subclass of
+``torch.optim.Optimizer`` sharing the inner optimizer's ``param_groups``, ``state`` and
+``defaults`` (LR schedulers and ``GradScaler.unscale_`` act on the inner groups);
+``step(closure)``, ``zero_grad``, ``add_param_group``, ``state_dict``/``load_state_dict``
+(the inner state plus a ``"gauge_projected"`` entry: counters and options), pickling,
+``torch.amp.GradScaler`` (it reports ``_step_supports_amp_scaling = False``, so the scaler
+unscales and skips inf steps itself) and Lightning's ``configure_optimizers``.
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    >>> opt = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    >>> sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    >>> x = torch.randint(0, 64, (4, 16))
+    >>> for _ in range(3):
+    ...     opt.zero_grad()
+    ...     loss = model(x, x)[1]
+    ...     loss.backward()
+    ...     opt.step()
+    ...     sched.step()
+    >>> opt.state_dict()["gauge_projected"]["step"]
+    3
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.errors import GaugeError
+from gaugeopt.projection.projector import MODES, GaugeProjector
+
+__all__ = ["GaugeProjected"]
+
+_PROJECT = ("update", "grad")
+_STATE_KEY = "gauge_projected"
+
+
+# ---------------------------------------------------------------------- the projected step, shared
+# by GaugeProjected and the Lightning callback gaugeopt.callbacks.GaugeProjection. The squared
+# norms come back as device tensors: no host synchronisation unless someone reads the fraction.
+def snapshot(proj: GaugeProjector, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the gauge parameters (the point ``θ_old`` an update is projected at)."""
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().clone() for n in proj.param_names()}
+
+
+@torch.no_grad()
+def remove_vertical_update_(proj: GaugeProjector, model: nn.Module, before: dict[str, torch.Tensor]):
+    """``θ ← θ − Π_vert(θ − θ_old)`` at ``θ_old = before``; returns ``(‖Π_vert Δ‖², ‖Δ‖²)``."""
+    params = dict(model.named_parameters())
+    delta = {n: params[n].detach() - before[n] for n in before}
+    vert = proj.vertical(delta, at=before)
+    for n, v in vert.items():
+        params[n].sub_(v.to(params[n].dtype))
+    return _norms(vert, delta)
+
+
+@torch.no_grad()
+def remove_vertical_grad_(proj: GaugeProjector, model: nn.Module):
+    """``g ← g − Π_vert(g)`` for the gauge parameters' gradients; returns ``(‖Π_vert g‖², ‖g‖²)``."""
+    params = dict(model.named_parameters())
+    grads = {n: params[n].grad for n in proj.param_names()}
+    vert = proj.vertical(grads)
+    for n, v in vert.items():
+        p = params[n]
+        if p.grad is None:
+            p.grad = -v.to(p.dtype)
+        else:
+            p.grad.sub_(v.to(p.grad.dtype))
+    return _norms(vert, grads)
+
+
+def _norms(vert: dict, field: dict):
+    tot = sum(t.detach().double().square().sum() for t in field.values() if t is not None)
+    v = sum(t.double().square().sum() for t in vert.values())
+    return v, tot
+
+
+def vertical_fraction_of(norms) -> float:
+    """``sqrt(v / tot)`` from the ``(v, tot)`` squared norms the functions above return."""
+    v, tot = (float(x) for x in norms)
+    return math.sqrt(v / tot) if tot > 0 else 0.0
+
+
+class GaugeProjected(torch.optim.Optimizer):
+    """Wrap ``optimizer`` so that its steps on ``model`` are gauge-orthogonal.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` over (at least) the gauge parameters.
+        model: the model whose attention gauges are projected out.
+        project: ``"update"`` (project the step actually taken) or ``"grad"``.
+        mode: ``"exact"`` (Sylvester) or ``"approx"`` (paper 000 Algorithm 2).
+        fix_every: run ``gaugeopt.gauge_fix(model, optimizer=inner)`` every this many steps.
+        sectors: ``"auto"`` or a subset of :data:`gaugeopt.projection.projector.SECTORS`.
+        sites: attention sites to project (default all).
+        fix_kwargs: extra keyword arguments for ``gauge_fix``.
+        **projector_kwargs: ``rtol``, ``dtype``, ``cg_tol``, ``joint_tol``, ... for
+            :class:`~gaugeopt.projection.projector.GaugeProjector`.
+
+    Attributes:
+        last_vertical_fraction: ``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient),
+            over the gauge parameters; ``nan`` before the first step (read lazily: no host
+            synchronisation in the step itself).
+    """
+
+    _step_supports_amp_scaling = False  # GradScaler unscales and skips inf steps for us
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        project: str = "update",
+        mode: str = "exact",
+        fix_every: int | None = None,
+        *,
+        sectors: str | Sequence[str] = "auto",
+        sites=None,
+        fix_kwargs: dict | None = None,
+        **projector_kwargs: Any,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise GaugeError(f"GaugeProjected: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, GaugeProjected):
+            raise GaugeError("GaugeProjected: the optimizer is already wrapped; wrap the inner optimizer once")
+        if project not in _PROJECT:
+            raise GaugeError(f"GaugeProjected: project={project!r} is not one of {_PROJECT}")
+        if mode not in MODES:
+            raise GaugeError(f"GaugeProjected: mode={mode!r} is not one of {MODES}")
+        if fix_every is not None and (not isinstance(fix_every, int) or fix_every < 1):
+            raise GaugeError(f"GaugeProjected: fix_every={fix_every!r} must be a positive integer or None")
+        if project == "grad" and isinstance(optimizer, torch.optim.LBFGS):
+            raise GaugeError(
+                "GaugeProjected: project='grad' evaluates the closure once, but LBFGS re-evaluates it; use project='update'"
+            )
+        self._init_hooks()
+        self.optimizer = optimizer
+        self.model = model
+        self.project, self.mode, self.fix_every = project, mode, fix_every
+        self.sectors, self.sites, self.fix_kwargs = sectors, sites, dict(fix_kwargs or {})
+        self.projector_kwargs = projector_kwargs
+        self._steps = 0
+        self._fixes = 0
+        self._last = None
+        self._projector: GaugeProjector | None = None
+        self._check_coverage()
+
+    # ------------------------------------------------------------------ torch.optim.Optimizer plumbing
+    def _init_hooks(self) -> None:
+        # What Optimizer.__init__ sets up, without re-adding the inner optimizer's parameters.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
+
+    @property
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def projector(self) -> GaugeProjector:
+        """The :class:`~gaugeopt.projection.projector.GaugeProjector` (built on first use)."""
+        if self._projector is None:
+            self._projector = GaugeProjector(self.model, self.sectors, self.mode, sites=self.sites, **self.projector_kwargs)
+        return self._projector
+
+    def _check_coverage(self) -> None:
+        """Every gauge parameter must be stepped by the inner optimizer (or nothing is coherent)."""
+        managed = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        params = dict(self.model.named_parameters())
+        missing = [n for n in self.projector.param_names() if id(params[n]) not in managed]
+        if missing:
+            raise GaugeError(
+                f"GaugeProjected: gauge parameters {missing[:4]}{' ...' if len(missing) > 4 else ''} are not in the "
+                "optimizer; a projected step would move them. Add them to the optimizer, or restrict the projection "
+                "with sites=[...] / sectors=(...)"
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
+        """One inner step, projected; ``closure`` re-evaluates the loss as for any optimizer."""
+        proj = self.projector
+        if self.project == "update":
+            before = snapshot(proj, self.model)
+            loss = self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+            self._last = remove_vertical_update_(proj, self.model, before)
+        else:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            self._last = remove_vertical_grad_(proj, self.model)
+            self.optimizer.step(**kwargs)
+        self._steps += 1
+        if self.fix_every is not None and self._steps % self.fix_every == 0:
+            self.fix()
+        return loss
+
+    @property
+    def last_vertical_fraction(self) -> float:
+        """``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient) over the gauge parameters."""
+        return math.nan if self._last is None else vertical_fraction_of(self._last)
+
+    def fix(self):
+        """Run ``gaugeopt.gauge_fix(model, optimizer=inner, **fix_kwargs)`` now; returns its report."""
+        from gaugeopt.fix.gaugefix import gauge_fix  # GaugeFix-LRM lives in its own module
+
+        kwargs = dict(self.fix_kwargs)
+        if self.sites is not None:
+            kwargs.setdefault("sites", self.sites)
+        report = gauge_fix(self.model, optimizer=self.optimizer, **kwargs)
+        self._fixes += 1
+        return report
+
+    # ------------------------------------------------------------------ state
+    def _own_state(self) -> dict:
+        sectors = self.sectors if isinstance(self.sectors, str) else list(self.sectors)
+        return {
+            "version": 1,
+            "step": self._steps,
+            "fixes": self._fixes,
+            "project": self.project,
+            "mode": self.mode,
+            "fix_every": self.fix_every,
+            "sectors": sectors,
+        }
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        sd = dict(self.optimizer.state_dict())
+        sd[_STATE_KEY] = self._own_state()
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load the inner optimizer's state and the wrapper's counters and options.
+
+        A plain state dict of the inner optimizer (no ``"gauge_projected"`` entry) is accepted:
+        counters then restart at 0 and the options stay as constructed.
+        """
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        sd = dict(state_dict)
+        own = sd.pop(_STATE_KEY, None)
+        self.optimizer.load_state_dict(sd)
+        if own is not None:
+            if own.get("project") not in _PROJECT or own.get("mode") not in MODES:
+                raise GaugeError(f"GaugeProjected.load_state_dict: unreadable options in {_STATE_KEY!r}: {own}")
+            self._steps, self._fixes = int(own["step"]), int(own["fixes"])
+            rebuild = (own["mode"], own["sectors"]) != (self.mode, self._own_state()["sectors"])
+            self.project, self.mode, self.fix_every = own["project"], own["mode"], own["fix_every"]
+            self.sectors = own["sectors"] if isinstance(own["sectors"], str) else tuple(own["sectors"])
+            if rebuild:
+                self._projector = None
+        else:
+            self._steps = self._fixes = 0
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer,
+            "model": self.model,
+            "project": self.project,
+            "mode": self.mode,
+            "fix_every": self.fix_every,
+            "sectors": self.sectors,
+            "sites": self.sites,
+            "fix_kwargs": self.fix_kwargs,
+            "projector_kwargs": self.projector_kwargs,
+            "_steps": self._steps,
+            "_fixes": self._fixes,
+            "_last": self._last,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_hooks()
+        self._projector = None
+
+    def __repr__(self) -> str:
+        inner = "\n".join("    " + line for line in repr(self.optimizer).splitlines())
+        return (
+            f"GaugeProjected(project={self.project!r}, mode={self.mode!r}, fix_every={self.fix_every}, "
+            f"sectors={self.sectors!r}, steps={self._steps},\n{inner}\n)"
+        )

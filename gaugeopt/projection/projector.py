@@ -1,0 +1,539 @@
+"""Gauge-orthogonal projection: remove the vertical (pure-gauge) part of a vector field.
+
+A vector field ``u`` — a gradient, an optimizer update, an Adam moment — is given per
+parameter, as ``{name: tensor}`` (names as in ``model.named_parameters()``) or as a list
+aligned with ``named_parameters()``. Its *vertical* part is its Frobenius-orthogonal
+projection onto the span of the gauge generators at the current weights θ (DESIGN.md §4,
+paper 000 Remark 51, paper 004 §5); the *horizontal* part ``u − u_vert`` is what changes
+the function. The gradient of a gauge-invariant loss is already horizontal (paper 000
+Prop. 38); Adam's per-coordinate scaling and weight decay are not gauge-equivariant, so an
+optimizer *update* has a vertical part.
+
+Sectors (each projectable on its own; names as in :data:`SECTORS`):
+
+================  ==============================================  ==============================
+sector            generators (per KV group / channel / block)      solver
+================  ==============================================  ==============================
+``qk``            ``GL(d_k)`` on ``[W̄_Q|b̄_Q]``, ``[W̄_K|b̄_K]``;      Sylvester (batched eigh);
+                  RoPE commutant ``a·I + b·J`` per plane           closed form per plane
+``vo``            ``GL(d_v)`` on ``[W̄_V|b̄_V]``, ``W̄_O`` columns      Sylvester (batched eigh)
+``lrm_qk``        ``r_Q`` vs ``r_K`` per channel / RoPE plane       closed form
+``lrm_vo``        ``r_V`` vs ``c_O`` per channel                    closed form
+``lrm_internal``  ``r·W̄·c`` rescalings of every LRM layer           Schur complement (dense)
+================  ==============================================  ==============================
+
+GQA ties one ``X`` per KV group to all its query heads; biases travel with their rows;
+under LRM the dense gauges act through ``W̄`` (:mod:`gaugeopt.projection.dense`). With learnable
+multipliers and GQA the ``qk``/``vo`` normal equations are solved by preconditioned CG to the
+relative residual ``cg_tol``; everything else is direct.
+
+**Joint projection.** ``qk``, ``vo``, ``lrm_qk`` and ``lrm_vo`` touch disjoint parameter
+entries, so their spans are mutually orthogonal and projecting them one after the other is
+exactly the projection onto their sum. ``lrm_internal`` overlaps all of them (it moves ``W̄``
+and the multipliers). Projecting off the sum of the requested sectors then solves for the two
+families' parts together: conjugate gradients on ``P1(I − P2)P1`` (see :meth:`GaugeProjector._joint`),
+stopped when the part of the result still in the first family's span is ``≤ joint_tol·‖u‖``
+(it is exactly orthogonal to the second): the result differs from ``u`` by a sum of generators
+and is orthogonal to all of them to that tolerance, which characterises the exact joint
+projection (``info["joint_residual"]``). The diagonal multiplier gauges are redundant there:
+``lrm_qk`` generators are ``qk`` generators (diagonal ``X``) plus ``lrm_internal`` row rescalings
+of the Q and K blocks (likewise ``lrm_vo``), so with ``qk`` (``vo``) and ``lrm_internal`` requested
+they are left out of the joint solve — same span, better conditioned (``lrm_qk`` and
+``lrm_internal`` alone are nearly parallel when the multipliers dominate the rows of ``W̄``).
+
+**Modes.** ``"exact"``: the Sylvester solve. ``"approx"``: paper 000 Algorithm 2 (two one-sided
+pseudo-inverse estimates, symmetrised) for the dense ``qk``/``vo`` blocks — exact when the Gram
+matrices are identities, otherwise it leaves a vertical remainder (measure it with
+:func:`gaugeopt.projection.diagnostics.vertical_report`). Closed forms (RoPE planes, diagonal gauges) and
+``lrm_internal`` are exact in both modes.
+
+**Pseudo-inverse rule.** See :mod:`gaugeopt.projection.sylvester`: eigenvalues of a Gram operator below
+``rtol ×`` the largest of their block are non-directions (coefficient 0), never divided by.
+
+**Cost** per KV group: ``O(k·n²·m)`` for the Gram and cross terms (``k`` heads of the group,
+``n = d_k`` or ``d_v``, ``m`` the model width) plus ``O(n³)`` for the eigendecompositions and the
+solve, all batched over every group of every layer in one call.
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> from gaugeopt.projection.projector import GaugeProjector
+    >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, rope="split_half")).double()
+    >>> u = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    >>> proj = GaugeProjector(model)
+    >>> proj.sectors
+    ('qk', 'vo')
+    >>> hor = proj.project(u)
+    >>> float(gaugeopt.vertical_fraction(model, hor)) < 1e-12
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.errors import GaugeError
+from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.projection.multipliers import DiagonalSector, InternalSector
+from gaugeopt.projection.dense import DenseSector
+from gaugeopt.structure.site import AttentionSite, TensorRef, find_attention
+from gaugeopt.projection.sylvester import default_rtol
+
+__all__ = ["SECTORS", "MODES", "GaugeProjector", "Decomposition", "project"]
+
+SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal")
+MODES = ("exact", "approx")
+_OVERLAPPING = ("lrm_internal",)
+_REDUNDANT = {"lrm_qk": "qk", "lrm_vo": "vo"}  # with lrm_internal present, the key's span lies in the value's + internal
+
+Tensors = Union[Mapping[str, torch.Tensor], Sequence[Union[torch.Tensor, None]]]
+
+
+@dataclass
+class Decomposition:
+    """Result of :meth:`GaugeProjector.decompose`.
+
+    Attributes:
+        vertical: ``{name: tensor}`` over the sectors' parameters (compute dtype).
+        horizontal: ``u − vertical`` over the same names.
+        coefficients: ``{(sector, unit): tensor}`` Lie-algebra coordinates of ``vertical``
+            (``X``/``Y`` per KV group as ``(h_kv, n, n)``, ``t`` per diagonal set, ``(x, y)`` per
+            LRM block); summed over the sweeps of a joint projection.
+        norms: ``{(sector, unit): (‖u_vert‖², ‖u‖²)}`` over the unit's entries (with
+            ``decompose(..., norms=True)``; not filled for joint projections).
+        info: solver facts: ``cg_iterations``, ``cg_residual``, ``joint_iterations``, ``joint_residual``.
+    """
+
+    vertical: dict[str, torch.Tensor]
+    horizontal: dict[str, torch.Tensor]
+    coefficients: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
+    norms: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+
+class _Ctx:
+    """One projection call: the point θ, precision and solver settings."""
+
+    def __init__(self, proj: "GaugeProjector", at: Mapping[str, torch.Tensor] | None) -> None:
+        self.proj, self.at = proj, at
+        self.dtype, self.rtol, self.mode = proj._dtype_now, proj._rtol_now, proj.mode
+        self.cg_tol, self.cg_maxiter = proj._cg_tol_now, proj.cg_maxiter
+        self.device = proj._device
+        self.info: dict = {"cg_iterations": 0, "cg_residual": 0.0}
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def _param(self, name: str) -> torch.Tensor:
+        t = self._cache.get(name)
+        if t is None:
+            src = self.at[name] if (self.at is not None and name in self.at) else self.proj._params[name]
+            t = src.detach().to(self.dtype)
+            self._cache[name] = t
+        return t
+
+    def weight(self, x: TensorRef | str) -> torch.Tensor:
+        """Weights at θ, canonical view for a ref, whole tensor for a name (compute dtype)."""
+        if isinstance(x, str):
+            return self._param(x)
+        return x.view(self._param(x.name))
+
+    def note_cg(self, sector: str, iters: int, res: float) -> None:
+        self.info["cg_iterations"] = max(self.info["cg_iterations"], iters)
+        self.info["cg_residual"] = max(self.info["cg_residual"], res)
+        if res > self.cg_tol:
+            self.proj._warn_once(
+                f"gauge projection ({sector}): conjugate gradients stopped after {iters} iterations at relative "
+                f"residual {res:.2e} > cg_tol={self.cg_tol:.1e}; raise cg_maxiter"
+            )
+
+
+def _accessor(store: dict[str, torch.Tensor]):
+    def acc(x: TensorRef | str) -> torch.Tensor:
+        if isinstance(x, str):
+            return store[x]
+        return x.view(store[x.name])
+
+    return acc
+
+
+class GaugeProjector:
+    """Projects vector fields given per parameter off the gauge directions of ``model``.
+
+    Built once per model (finds the attention sites and the sectors); every call reads the
+    *current* weights (or the point ``at=``), so it stays valid while the model trains.
+
+    Args:
+        model: the model whose ``named_parameters()`` names the vector field's entries.
+        sectors: ``"auto"`` (every sector the model has) or a subset of :data:`SECTORS`.
+        mode: ``"exact"`` or ``"approx"`` (see the module docstring).
+        sites: attention sites (default :func:`gaugeopt.find_attention`); with ``sites`` given,
+            ``lrm_internal`` covers only the LRM layers those sites read.
+        rtol: pseudo-inverse threshold (default ``1000·ε`` of the compute dtype).
+        dtype: compute dtype (default float64 for float64 inputs, float32 otherwise).
+        cg_tol, cg_maxiter: relative residual and cap of the CG solve (LRM + GQA only);
+            default ``cg_tol`` is ``1e3·ε``.
+        joint_tol, joint_maxiter: stopping rule of the alternating joint projection (only
+            when ``lrm_internal`` is combined with another sector); default ``joint_tol`` ``1e3·ε``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sectors: str | Sequence[str] = "auto",
+        mode: str = "exact",
+        *,
+        sites: Sequence[AttentionSite] | None = None,
+        rtol: float | None = None,
+        dtype: torch.dtype | None = None,
+        cg_tol: float | None = None,
+        cg_maxiter: int = 200,
+        joint_tol: float | None = None,
+        joint_maxiter: int = 500,
+    ) -> None:
+        if mode not in MODES:
+            raise GaugeError(f"GaugeProjector: mode={mode!r} is not one of {MODES}")
+        self.model, self.mode = model, mode
+        self.rtol, self.dtype, self.cg_tol, self.cg_maxiter = rtol, dtype, cg_tol, cg_maxiter
+        self.joint_tol, self.joint_maxiter = joint_tol, joint_maxiter
+        self._params: dict[str, torch.Tensor] = dict(model.named_parameters())
+        self._order = list(self._params)
+        pname = {id(p): n for n, p in self._params.items()}
+        self.sites = list(find_attention(model) if sites is None else sites)
+        lrm_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, LRMLinear)]
+        if sites is not None:
+            owners = {id(ref.owner) for s in self.sites for _, ref in s.refs()}
+            lrm_modules = [(n, m) for n, m in lrm_modules if id(m) in owners or any(id(p) in owners for p in m.parameters())]
+        impl = {
+            "qk": DenseSector("qk", self.sites),
+            "vo": DenseSector("vo", self.sites),
+            "lrm_qk": DiagonalSector("lrm_qk", self.sites),
+            "lrm_vo": DiagonalSector("lrm_vo", self.sites),
+            "lrm_internal": InternalSector(lrm_modules, pname),
+        }
+        available = tuple(k for k in SECTORS if impl[k].units())
+        if sectors == "auto":
+            chosen = available
+        else:
+            chosen = (sectors,) if isinstance(sectors, str) else tuple(sectors)
+            bad = [s for s in chosen if s not in SECTORS]
+            if bad:
+                raise GaugeError(f"GaugeProjector: unknown sectors {bad}; valid sectors are {SECTORS} or 'auto'")
+            missing = [s for s in chosen if s not in available]
+            if missing:
+                raise GaugeError(
+                    f"GaugeProjector: sectors {missing} are not present in this model (it has {available}); "
+                    "the lrm_* sectors need learnable multipliers (gaugeopt.apply_lrm)"
+                )
+            chosen = tuple(dict.fromkeys(chosen))
+        self.sectors: tuple[str, ...] = chosen
+        self._impl = {k: impl[k] for k in available}
+        for k, sec in self._impl.items():
+            for n in self._sector_names(k):
+                if n not in self._params:
+                    raise GaugeError(
+                        f"GaugeProjector: sector {k!r} reads parameter {n!r}, which is not in model.named_parameters(); "
+                        "were the sites found on another model?"
+                    )
+                if type(self._params[n]).__name__ == "DTensor":
+                    raise GaugeError(
+                        f"GaugeProjector: parameter {n!r} is a sharded DTensor; the projector works on whole tensors "
+                        "(project before sharding, or gather the parameters)"
+                    )
+        self._device = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        self._warned: set[str] = set()
+        self.last_info: dict = {}
+
+    # ------------------------------------------------------------------ structure
+    def _sector_names(self, sector: str) -> list[str]:
+        sec = self._impl[sector]
+        if isinstance(sec, DenseSector):
+            return list(dict.fromkeys(r.name for r in sec.refs()))
+        return sec.param_names()
+
+    def param_names(self, sectors: Sequence[str] | None = None) -> list[str]:
+        """Names of the parameters the given sectors (default: the chosen ones) touch, in model order."""
+        touched = {n for s in self._resolve(sectors) for n in self._sector_names(s)}
+        return [n for n in self._order if n in touched]
+
+    def units(self, sector: str) -> list[str]:
+        """Unit names of a sector: attention site names, or LRM layer names for ``lrm_internal``."""
+        return self._impl[sector].units()
+
+    def _resolve(self, sectors) -> tuple[str, ...]:
+        if sectors is None:
+            return self.sectors
+        s = (sectors,) if isinstance(sectors, str) else tuple(sectors)
+        bad = [x for x in s if x not in self._impl]
+        if bad:
+            raise GaugeError(f"sectors {bad} are not available; this projector has {tuple(self._impl)}")
+        return s
+
+    def _warn_once(self, msg: str) -> None:
+        if msg.split(":")[0] not in self._warned:
+            self._warned.add(msg.split(":")[0])
+            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+    # ------------------------------------------------------------------ input handling
+    def _as_dict(self, tensors: Tensors) -> tuple[dict[str, torch.Tensor | None], str]:
+        if isinstance(tensors, Mapping):
+            unknown = [k for k in tensors if k not in self._params]
+            if unknown:
+                raise GaugeError(
+                    f"tensors has names that are not parameters of the model: {unknown[:5]}; "
+                    "use the names of model.named_parameters()"
+                )
+            return dict(tensors), "dict"
+        if isinstance(tensors, (list, tuple)):
+            if len(tensors) != len(self._order):
+                raise GaugeError(
+                    f"tensors is a sequence of length {len(tensors)}; a list must align with "
+                    f"model.named_parameters() ({len(self._order)} entries), or pass a {{name: tensor}} dict"
+                )
+            return dict(zip(self._order, tensors)), "list"
+        raise GaugeError(f"tensors must be a {{name: tensor}} mapping or a list aligned with named_parameters(), got {type(tensors).__name__}")
+
+    def _compute_dtype(self, given: dict) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        dts = {t.dtype for t in given.values() if t is not None} | {self._params[n].dtype for n in self.param_names()}
+        return torch.float64 if torch.float64 in dts else torch.float32
+
+    def _work(self, given: dict, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        for n, t in given.items():
+            if t is not None and tuple(t.shape) != tuple(self._params[n].shape):
+                raise GaugeError(f"tensors[{n!r}] has shape {tuple(t.shape)}, the parameter has {tuple(self._params[n].shape)}")
+        work = {}
+        for n in names:
+            p = self._params[n]
+            t = given.get(n)
+            if t is None:
+                work[n] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                continue
+            work[n] = torch.empty(p.shape, dtype=dtype, device=p.device).copy_(t.detach())
+        return work
+
+    # ------------------------------------------------------------------ core
+    def _setup(self, given: dict) -> None:
+        self._dtype_now = self._compute_dtype(given)
+        self._rtol_now = default_rtol(self._dtype_now) if self.rtol is None else self.rtol
+        self._cg_tol_now = default_rtol(self._dtype_now) if self.cg_tol is None else self.cg_tol
+
+    def _vertical_family(self, ctx, preps, family, work, record=None, coeffs=None, out=None):
+        """Add the family's vertical part of ``work`` into ``out`` (zeros over its names by default)."""
+        if out is None:
+            names = [n for s in family for n in self._sector_names(s)]
+            out = {n: torch.zeros_like(work[n]) for n in dict.fromkeys(names)}
+        rec = record
+        if coeffs is not None:
+            def rec(sector, unit, coef, vsq, usq):
+                key = (sector, unit)
+                coeffs[key] = coeffs[key] + coef if key in coeffs else coef
+                if record is not None:
+                    record(sector, unit, coef, vsq, usq)
+        for s in family:
+            self._impl[s].apply(ctx, preps[s], _accessor(work), _accessor(out), rec)
+        return out
+
+    def decompose(
+        self,
+        tensors: Tensors,
+        *,
+        sectors: Sequence[str] | None = None,
+        at: Mapping[str, torch.Tensor] | None = None,
+        norms: bool = False,
+    ) -> Decomposition:
+        """Vertical and horizontal parts of ``tensors`` over the sectors' parameters.
+
+        Args:
+            tensors: the vector field (missing entries count as zero).
+            sectors: a subset of :attr:`sectors` (default all of them).
+            at: ``{name: tensor}`` weights of the point θ to project at (default: the model's
+                current parameters; entries not given are read from the model).
+            norms: fill :attr:`Decomposition.norms` (one host synchronisation per unit).
+        """
+        secs = self._resolve(sectors)
+        given, _ = self._as_dict(tensors)
+        self._setup(given)
+        names = self.param_names(secs)
+        work = self._work(given, names, self._dtype_now)
+        ctx = _Ctx(self, at)
+        preps = {s: self._impl[s].prepare(ctx) for s in secs}
+        coeffs: dict = {}
+        unit_norms: dict = {}
+        want_norms = norms
+        fam1 = [s for s in secs if s not in _OVERLAPPING]
+        fam2 = [s for s in secs if s in _OVERLAPPING]
+        if fam2:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same joint span, better conditioned
+            fam1 = [s for s in fam1 if _REDUNDANT.get(s) not in fam1]
+        info = ctx.info
+        if not fam1 or not fam2:
+            def record(sector, unit, coef, vsq, usq):
+                unit_norms[(sector, unit)] = (float(vsq), float(usq))
+            vert = self._vertical_family(ctx, preps, fam1 or fam2, work, record if want_norms else None, coeffs)
+            info.update(joint_iterations=0, joint_residual=0.0)
+        else:
+            vert, info_j = self._joint(ctx, preps, fam1, fam2, work, coeffs)
+            info.update(info_j)
+        hor = {n: work[n] - vert[n] for n in names}
+        self.last_info = dict(info)
+        return Decomposition(vert, hor, coeffs, unit_norms, dict(info))
+
+    def _joint(self, ctx, preps, fam1, fam2, u, coeffs):
+        """Projection onto ``V1 + V2`` for two overlapping families with exact projectors ``P1, P2``.
+
+        Writing the vertical part as ``a1 + a2`` (``a1 ∈ V1``, ``a2 = P2(u − a1)``), ``a1`` solves
+        ``S a1 = P1(I − P2) u`` with ``S = P1(I − P2)P1``, symmetric PSD on ``V1`` (eigenvalues
+        ``sin²`` of the principal angles; the intersection is its consistent null space):
+        conjugate gradients, restarted on the true residual ``P1(u − a1 − a2)``, which is also the
+        certificate — the result is exactly orthogonal to ``V2`` and to ``V1`` up to it.
+        """
+        tol = default_rtol(self._dtype_now) if self.joint_tol is None else self.joint_tol
+        names = list(u)
+        if len({t.device for t in u.values()}) == 1:
+            # one flat buffer: the CG vector operations are single kernels, the sectors see views
+            sizes, shapes = [u[n].numel() for n in names], [u[n].shape for n in names]
+
+            def views(flat):
+                return {n: t.view(shape) for n, t, shape in zip(names, flat.split(sizes), shapes)}
+
+            U = torch.cat([u[n].reshape(-1) for n in names])
+
+            def P(fam, x, c=None):
+                out = torch.zeros_like(U)
+                self._vertical_family(ctx, preps, fam, views(x), coeffs=c, out=views(out))
+                return out
+
+            def axpy(a, x, y):
+                return y + a * x
+
+            def dot(x, y):
+                return float(torch.dot(x, y))
+
+            zero = lambda: torch.zeros_like(U)  # noqa: E731
+            u_vec, unflat = U, views
+        else:  # parameters on several devices: the same algorithm on dicts of tensors
+            zero = lambda: {n: torch.zeros_like(u[n]) for n in names}  # noqa: E731
+
+            def P(fam, x, c=None):
+                out = zero()
+                self._vertical_family(ctx, preps, fam, x, coeffs=c, out=out)
+                return out
+
+            def axpy(a, x, y):
+                return {n: y[n] + a * x[n] for n in names}
+
+            def dot(x, y):
+                return sum(float((x[n] * y[n]).sum()) for n in names)
+
+            u_vec, unflat = u, lambda d: d
+        u = u_vec
+
+        unorm = math.sqrt(dot(u, u)) or 1.0
+        a1 = zero()
+        iters = 0
+        while True:
+            w = axpy(-1.0, P(fam2, axpy(-1.0, a1, u)), axpy(-1.0, a1, u))  # (I − P2)(u − a1)
+            r = P(fam1, w)  # true residual of the reduced system = the part of w still in V1
+            res = math.sqrt(dot(r, r)) / unorm
+            if res <= tol or iters >= self.joint_maxiter:
+                break
+            p, rr, delta = r, dot(r, r), zero()
+            while iters < self.joint_maxiter:
+                Sp = P(fam1, axpy(-1.0, P(fam2, p), p))
+                pSp = dot(p, Sp)
+                if pSp <= 0:
+                    break
+                alpha = rr / pSp
+                delta, r = axpy(alpha, p, delta), axpy(-alpha, Sp, r)
+                iters += 1
+                rr_new = dot(r, r)
+                if math.sqrt(rr_new) / unorm <= 0.1 * tol:
+                    break
+                p, rr = axpy(rr_new / rr, p, r), rr_new
+            a1 = axpy(1.0, delta, a1)
+        if res > tol:
+            self._warn_once(
+                f"gauge projection (joint): conjugate gradients stopped after {iters} iterations with {res:.2e} of "
+                f"‖u‖ still vertical (joint_tol={tol:.1e}); the sector families are nearly parallel here, raise joint_maxiter"
+            )
+        a1 = P(fam1, a1, coeffs)  # coefficients of both parts, in Lie-algebra coordinates
+        a2 = P(fam2, axpy(-1.0, a1, u), coeffs)
+        vert = unflat(axpy(1.0, a1, a2))
+        return vert, {"joint_iterations": iters, "joint_residual": res}
+
+    # ------------------------------------------------------------------ public API
+    def vertical(self, tensors: Tensors, *, sectors: Sequence[str] | None = None, at=None) -> dict[str, torch.Tensor]:
+        """``{name: u_vert}`` over the sectors' parameters, in each input's dtype (float64 if absent)."""
+        given, _ = self._as_dict(tensors)
+        dec = self.decompose(given, sectors=sectors, at=at)
+        return {n: v.to(self._out_dtype(given, n)) for n, v in dec.vertical.items()}
+
+    def _out_dtype(self, given, n) -> torch.dtype:
+        t = given.get(n)
+        return t.dtype if t is not None else self._params[n].dtype
+
+    def project(self, tensors: Tensors, *, sectors: Sequence[str] | None = None, at=None, inplace: bool = False):
+        """The horizontal part ``u − u_vert``, returned like ``tensors`` came in.
+
+        A dict comes back as a dict holding every input key plus the sectors' parameters (a
+        missing entry counted as zero may get a nonzero horizontal part); entries outside the
+        sectors are the input tensors themselves. A list comes back aligned with
+        ``named_parameters()``. With ``inplace=True`` the given tensors are updated in place
+        (entries that were missing are created in the returned container only).
+        """
+        given, kind = self._as_dict(tensors)
+        dec = self.decompose(given, sectors=sectors, at=at)
+        result = dict(given)
+        for n, v in dec.vertical.items():
+            t = given.get(n)
+            if t is None:
+                result[n] = (-v).to(self._params[n].dtype)
+            elif inplace:
+                t.sub_(v.to(t.dtype))
+            else:
+                result[n] = dec.horizontal[n].to(t.dtype)
+        if kind == "list":
+            return [result.get(n) for n in self._order]
+        return result
+
+    def basis(self, *, sectors: Sequence[str] | None = None, at=None, dtype: torch.dtype = torch.float64):
+        """Yield ``(label, {name: tensor})``: the generator images of a basis of each sector's Lie
+        algebra at θ (elementary matrices per KV group, ``I``/``J`` per RoPE plane, indicator
+        vectors for the diagonal and internal gauges). For small models (diagnostics, tests)."""
+        self._dtype_now, self._rtol_now, self._cg_tol_now = dtype, default_rtol(dtype), default_rtol(dtype)
+        ctx = _Ctx(self, at)
+        for s in self._resolve(sectors):
+            sec = self._impl[s]
+            names = self._sector_names(s)
+            for label, write in sec.basis(ctx, sec.prepare(ctx)):
+                store = {n: torch.zeros(self._params[n].shape, dtype=dtype, device=self._device) for n in names}
+                write(_accessor(store))
+                yield label, {n: t for n, t in store.items() if bool(t.any())}
+
+
+def project(
+    model: nn.Module,
+    tensors: Tensors,
+    *,
+    sectors: str | Sequence[str] = "auto",
+    mode: str = "exact",
+    **kwargs,
+):
+    """One-shot :meth:`GaugeProjector.project` (builds the projector each call).
+
+    Example:
+        >>> import torch
+        >>> from gaugeopt.models import GPT, GPTConfig
+        >>> from gaugeopt.projection.projector import project
+        >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8))
+        >>> grads = [torch.randn_like(p) for p in model.parameters()]
+        >>> len(project(model, grads)) == len(list(model.parameters()))
+        True
+    """
+    return GaugeProjector(model, sectors, mode, **kwargs).project(tensors)

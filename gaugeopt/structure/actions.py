@@ -1,0 +1,375 @@
+"""Finite gauge actions on a model's attention, random group elements, and invalid controls.
+
+The symmetries of DESIGN.md §2, acting on the *effective* weights (``diag(r)·W̄·diag(c)``
+under LRM, biases travelling with their rows), per KV group ``j`` shared by its query heads:
+
+========================  =================================================================
+action                    effect
+========================  =================================================================
+:func:`act_qk`            ``W_Q[i] ← Aᵀ W_Q[i]``, ``W_K[j] ← A⁻¹ W_K[j]``; ``A`` in the RoPE commutant
+:func:`act_vo`            ``W_V[j] ← Cᵀ W_V[j]``, ``W_O[:, i] ← W_O[:, i] C⁻ᵀ``
+:func:`permute_heads`     KV groups (and query heads within them) reordered consistently
+:func:`scale_qk_multipliers`   ``r_Q[i] ← r_Q[i] ⊙ δ``, ``r_K[j] ← r_K[j] ⊘ δ`` (δ constant per RoPE plane)
+:func:`scale_vo_multipliers`   ``r_V[j] ← r_V[j] ⊙ e``, ``c_O[i] ← c_O[i] ⊘ e``
+:func:`rescale_lrm_internal`   ``r ← r ⊙ t``, ``W̄ ← W̄ ⊘ (t ⊗ s)``, ``c ← c ⊙ s`` inside one LRM layer
+========================  =================================================================
+
+:func:`random_gauge_transform` draws well-conditioned elements of any of these; and
+:func:`invalid_gauge_transform` applies the paper's negative controls (asymmetric Q/K, wrong
+inverse, V/O mismatch, cross-head mixing, a general ``GL(d_k)`` under RoPE), which must
+change the function. :func:`relative_change` measures either.
+
+Example:
+    >>> import copy, torch, gaugeopt
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, rope="interleaved")).double()
+    >>> x = torch.randint(0, 64, (2, 16))
+    >>> moved = gaugeopt.random_gauge_transform(copy.deepcopy(model), generator=torch.Generator().manual_seed(1))
+    >>> gaugeopt.relative_change(model(x)[0], moved(x)[0]) < 1e-12
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.errors import GaugeError
+from gaugeopt.linalg import random_well_conditioned
+from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant
+from gaugeopt.structure.site import AttentionSite, find_attention
+
+__all__ = [
+    "act_qk",
+    "act_vo",
+    "permute_heads",
+    "scale_qk_multipliers",
+    "scale_vo_multipliers",
+    "rescale_lrm_internal",
+    "random_gauge_transform",
+    "invalid_gauge_transform",
+    "relative_change",
+    "VALID_KINDS",
+    "INVALID_KINDS",
+]
+
+VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal")
+INVALID_KINDS = ("asymmetric_qk", "wrong_inverse", "vo_mismatch", "cross_head", "gl_under_rope")
+
+
+def relative_change(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """``‖other − reference‖ / ‖reference‖`` (Frobenius, computed in float64)."""
+    ref = reference.detach().double()
+    return float((other.detach().double() - ref).norm() / ref.norm().clamp_min(torch.finfo(torch.float64).tiny))
+
+
+def _per_query(site: AttentionSite, x: torch.Tensor) -> torch.Tensor:
+    """Expand a per-KV-group tensor ``(h_kv, ...)`` to per query head ``(h, ...)``."""
+    return x.repeat_interleave(site.n_rep, dim=0)
+
+
+def _check_commutes(site: AttentionSite, A: torch.Tensor, what: str = "A") -> None:
+    if not site.rope.active:
+        return
+    J = commutant_basis(site.rope, site.d_k, dtype=A.dtype).to(A.device)
+    # generators of the RoPE rotations: J on each plane (every odd basis element among the planes)
+    n_planes = site.rope.rotary_dim // 2
+    rot = J[1 : 2 * n_planes : 2]  # (n_planes, d_k, d_k)
+    comm = A[:, None] @ rot[None] - rot[None] @ A[:, None]
+    scale = A.abs().amax().clamp_min(1e-300)
+    if float(comm.abs().amax() / scale) > 1e-10:
+        raise GaugeError(
+            f"{site.name}: {what} does not commute with the RoPE rotations ({site.rope.kind}, rotary_dim="
+            f"{site.rope.rotary_dim}); under RoPE the Q/K gauge is a·I + b·J on each plane "
+            "(see gaugeopt.structure.rope.random_commutant), anything else changes the attention scores"
+        )
+
+
+@torch.no_grad()
+def act_qk(site: AttentionSite, A: torch.Tensor, *, B_inv: torch.Tensor | None = None, check: bool = True) -> None:
+    """Apply ``A ∈ GL(d_k)^{h_kv}``: ``W_Q[i] ← Aᵀ W_Q[i]``, ``W_K[j] ← A⁻¹ W_K[j]`` (biases alike).
+
+    Args:
+        A: ``(h_kv, d_k, d_k)``, one factor per KV group.
+        B_inv: the factor applied to K instead of ``A⁻¹`` (only for invalid controls).
+        check: refuse an ``A`` that does not commute with the site's RoPE rotations.
+    """
+    _expect(A, (site.h_kv, site.d_k, site.d_k), "A")
+    if check:
+        _check_commutes(site, A)
+    wq, bq = site.effective("q")
+    wk, bk = site.effective("k")
+    A = A.to(wq)
+    At = _per_query(site, A).mT  # (h, d_k, d_k)
+    K = torch.linalg.inv(A) if B_inv is None else B_inv.to(wq)
+    site.set_effective("q", At @ wq, None if bq is None else (At @ bq[..., None])[..., 0])
+    site.set_effective("k", K @ wk, None if bk is None else (K @ bk[..., None])[..., 0])
+
+
+@torch.no_grad()
+def act_vo(site: AttentionSite, C: torch.Tensor, *, D: torch.Tensor | None = None) -> None:
+    """Apply ``C ∈ GL(d_v)^{h_kv}``: ``W_V[j] ← Cᵀ W_V[j]``, ``W_O[:, i] ← W_O[:, i] C⁻ᵀ``.
+
+    ``D`` replaces ``C`` on the output side (only for the V/O-mismatch control).
+    """
+    _expect(C, (site.h_kv, site.d_v, site.d_v), "C")
+    wv, bv = site.effective("v")
+    wo, bo = site.effective("o")  # wo: (d, h, d_v)
+    C = C.to(wv)
+    Ct = C.mT
+    site.set_effective("v", Ct @ wv, None if bv is None else (Ct @ bv[..., None])[..., 0])
+    out_factor = torch.linalg.inv(C if D is None else D.to(wv)).mT  # C⁻ᵀ, (h_kv, d_v, d_v)
+    wo_new = torch.einsum("dhv,hvw->dhw", wo, _per_query(site, out_factor))
+    site.set_effective("o", wo_new, bo)
+
+
+@torch.no_grad()
+def permute_heads(site: AttentionSite, kv_perm: torch.Tensor, q_perm: torch.Tensor | None = None) -> None:
+    """Reorder heads: new KV head ``j`` is old KV head ``kv_perm[j]``; new query head ``i`` is
+    old query head ``q_perm[i]``, which must belong to old group ``kv_perm[i // n_rep]``.
+
+    ``q_perm`` defaults to keeping each group's query heads in order.
+    """
+    n = site.n_rep
+    kv_perm = torch.as_tensor(kv_perm, dtype=torch.long)
+    if sorted(kv_perm.tolist()) != list(range(site.h_kv)):
+        raise GaugeError(f"{site.name}: kv_perm={kv_perm.tolist()} is not a permutation of range({site.h_kv})")
+    if q_perm is None:
+        q_perm = (kv_perm[:, None] * n + torch.arange(n)[None, :]).reshape(-1)
+    q_perm = torch.as_tensor(q_perm, dtype=torch.long)
+    if sorted(q_perm.tolist()) != list(range(site.h)) or not torch.equal(q_perm // n, kv_perm.repeat_interleave(n)):
+        raise GaugeError(
+            f"{site.name}: q_perm={q_perm.tolist()} must permute range({site.h}) and keep each query head with "
+            f"its KV group (new head i must come from old group kv_perm[i // {n}])"
+        )
+    for role, ref in site.q.refs():
+        if role != "col_mult":
+            v = ref.get()
+            v.copy_(v[q_perm])
+    for proj in (site.k, site.v):
+        for role, ref in proj.refs():
+            if role != "col_mult":
+                v = ref.get()
+                v.copy_(v[kv_perm])
+    wo = site.o.weight.get()
+    wo.copy_(wo[:, q_perm])
+    if site.o.col_mult is not None:
+        c = site.o.col_mult.get()
+        c.copy_(c[q_perm])
+
+
+def _require_mults(site: AttentionSite, roles: Iterable[tuple[str, str]]) -> None:
+    for p, role in roles:
+        if getattr(getattr(site, p), role) is None:
+            raise GaugeError(
+                f"{site.name}: {p}.{role} is missing; this gauge needs learnable multipliers (gaugeopt.apply_lrm)"
+            )
+
+
+@torch.no_grad()
+def scale_qk_multipliers(site: AttentionSite, delta: torch.Tensor, *, check: bool = True) -> None:
+    """``r_Q[i] ← r_Q[i] ⊙ δ[g(i)]``, ``r_K[j] ← r_K[j] ⊘ δ[j]`` with ``δ: (h_kv, d_k)``.
+
+    Under RoPE both coordinates of a plane must share one factor (``check`` enforces it).
+    """
+    _require_mults(site, (("q", "row_mult"), ("k", "row_mult")))
+    _expect(delta, (site.h_kv, site.d_k), "delta")
+    if check and site.rope.active:
+        first, second = (list(c) for c in zip(*site.rope.planes(site.d_k)))
+        if not torch.equal(delta[:, first], delta[:, second]):
+            raise GaugeError(
+                f"{site.name}: a per-channel Q/K multiplier scale must be equal on both coordinates of each RoPE "
+                "plane; otherwise the rescaled pair no longer commutes with the rotation"
+            )
+    rq, rk = site.q.row_mult.get(), site.k.row_mult.get()
+    rq.mul_(_per_query(site, delta.to(rq)))
+    rk.div_(delta.to(rk))
+
+
+@torch.no_grad()
+def scale_vo_multipliers(site: AttentionSite, e: torch.Tensor) -> None:
+    """``r_V[j] ← r_V[j] ⊙ e[j]``, ``c_O[i] ← c_O[i] ⊘ e[g(i)]`` with ``e: (h_kv, d_v)``."""
+    _require_mults(site, (("v", "row_mult"), ("o", "col_mult")))
+    _expect(e, (site.h_kv, site.d_v), "e")
+    rv, co = site.v.row_mult.get(), site.o.col_mult.get()
+    rv.mul_(e.to(rv))
+    co.div_(_per_query(site, e.to(co)))
+
+
+@torch.no_grad()
+def rescale_lrm_internal(module: LRMLinear, t: torch.Tensor, s: Sequence[torch.Tensor]) -> None:
+    """Internal LRM gauge of one layer: per block ``k``, ``r_k ← r_k ⊙ t_k``,
+    ``W̄_k ← W̄_k ⊘ (t_k ⊗ s_k)``, ``b̄_k ← b̄_k ⊘ t_k``, ``c_k ← c_k ⊙ s_k``.
+
+    Args:
+        t: ``(out_features,)`` row factors (split like the blocks).
+        s: one ``(in_features,)`` column factor per block.
+    """
+    if len(s) != len(module.split_sizes):
+        raise GaugeError(f"rescale_lrm_internal: {len(s)} column factors for {len(module.split_sizes)} blocks")
+    for k, (rows, tk) in enumerate(zip(_block_slices(module), t.split(module.split_sizes))):
+        sk = s[k].to(module.weight)
+        tk = tk.to(module.weight)
+        module.row_mults[k].mul_(tk)
+        module.col_mults[k].mul_(sk)
+        module.weight[rows].div_(tk[:, None] * sk[None, :])
+        if module.bias is not None:
+            module.bias[rows].div_(tk)
+
+
+def _block_slices(module: LRMLinear) -> list[slice]:
+    out, start = [], 0
+    for n in module.split_sizes:
+        out.append(slice(start, start + n))
+        start += n
+    return out
+
+
+def _expect(x: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != shape:
+        raise GaugeError(f"{what} has shape {tuple(x.shape)}, expected {shape}")
+
+
+def _sites(model: nn.Module, sites) -> list[AttentionSite]:
+    return find_attention(model) if sites is None else list(sites)
+
+
+def _log_uniform(shape, scale, generator, dtype) -> torch.Tensor:
+    return torch.exp((torch.rand(shape, generator=generator, dtype=dtype) * 2 - 1) * scale)
+
+
+def random_gauge_transform(
+    model: nn.Module,
+    kinds: Sequence[str] | str = ("qk", "vo", "perm"),
+    generator: torch.Generator | None = None,
+    *,
+    sites: Sequence[AttentionSite] | None = None,
+    log_scale: float = 0.5,
+) -> nn.Module:
+    """Apply a random valid gauge transformation to every attention layer, in place.
+
+    Elements are well conditioned (singular values in ``[e^{-s}, e^{s}]``, ``s = log_scale``)
+    so the transformed model computes the same function to a few ulps.
+
+    Args:
+        model: the model (modified and returned).
+        kinds: any of ``"qk"`` (``GL(d_k)`` per KV group, restricted to the RoPE commutant),
+            ``"vo"`` (``GL(d_v)``), ``"perm"`` (head permutations), ``"lrm_qk"``, ``"lrm_vo"``
+            (diagonal multiplier gauges), ``"lrm_internal"`` (every LRM layer's internal
+            rescaling), or ``"all"`` for every kind the model has.
+        generator: a ``torch.Generator`` for reproducibility.
+        sites: attention sites (default ``find_attention(model)``).
+
+    Returns:
+        ``model``.
+    """
+    sites = _sites(model, sites)
+    has_lrm = any(isinstance(m, LRMLinear) for m in model.modules())
+    if kinds == "all":
+        kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm")
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    bad = [k for k in kinds if k not in VALID_KINDS]
+    if bad:
+        raise GaugeError(f"random_gauge_transform: unknown kinds {bad}; valid kinds are {VALID_KINDS} or 'all'")
+    g = generator
+    for site in sites:
+        dtype = torch.float64
+        if "lrm_qk" in kinds:
+            pid = plane_index(site.rope, site.d_k)
+            per_plane = _log_uniform((site.h_kv, int(pid.max()) + 1), log_scale, g, dtype)
+            scale_qk_multipliers(site, per_plane[:, pid])
+        if "lrm_vo" in kinds:
+            scale_vo_multipliers(site, _log_uniform((site.h_kv, site.d_v), log_scale, g, dtype))
+        if "qk" in kinds:
+            act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
+        if "vo" in kinds:
+            act_vo(site, random_well_conditioned(site.h_kv, site.d_v, log_scale=log_scale, generator=g))
+        if "perm" in kinds:
+            kv_perm = torch.randperm(site.h_kv, generator=g)
+            within = torch.argsort(torch.rand(site.h_kv, site.n_rep, generator=g), dim=1)
+            q_perm = (kv_perm[:, None] * site.n_rep + within).reshape(-1)
+            permute_heads(site, kv_perm, q_perm)
+    if "lrm_internal" in kinds:
+        if not has_lrm:
+            raise GaugeError("random_gauge_transform: kind 'lrm_internal' needs learnable multipliers (gaugeopt.apply_lrm)")
+        for m in model.modules():
+            if isinstance(m, LRMLinear):
+                t = _log_uniform((m.out_features,), log_scale, g, torch.float64)
+                s = [_log_uniform((m.in_features,), log_scale, g, torch.float64) for _ in m.split_sizes]
+                rescale_lrm_internal(m, t, s)
+    return model
+
+
+def invalid_gauge_transform(
+    model: nn.Module,
+    kind: str,
+    generator: torch.Generator | None = None,
+    *,
+    sites: Sequence[AttentionSite] | None = None,
+    log_scale: float = 0.5,
+) -> nn.Module:
+    """Apply one of the negative controls to every attention layer, in place (paper 000, Table 7).
+
+    ===================  ===============================================================
+    ``kind``             transformation (each must change the function)
+    ===================  ===============================================================
+    ``asymmetric_qk``    ``W_Q ← Aᵀ W_Q``, ``W_K ← B⁻¹ W_K`` with an independent ``B``
+    ``wrong_inverse``    ``W_Q ← Aᵀ W_Q``, ``W_K ← Aᵀ W_K`` (transpose instead of inverse)
+    ``vo_mismatch``      ``W_V ← Cᵀ W_V``, ``W_O ← W_O D⁻ᵀ`` with an independent ``D``
+    ``cross_head``       one ``M ∈ GL(h_kv·d_k)`` mixing the KV groups, ``Mᵀ`` on Q and ``M⁻¹`` on K
+    ``gl_under_rope``    a general ``A ∈ GL(d_k)`` (outside the RoPE commutant) with its true inverse
+    ===================  ===============================================================
+    """
+    if kind not in INVALID_KINDS:
+        raise GaugeError(f"invalid_gauge_transform: kind={kind!r} is not one of {INVALID_KINDS}")
+    sites = _sites(model, sites)
+    g = generator
+    if kind == "gl_under_rope" and not any(s.rope.active for s in sites):
+        raise GaugeError("invalid_gauge_transform: 'gl_under_rope' needs a model with RoPE")
+    if kind == "cross_head" and all(s.h_kv == 1 for s in sites):
+        raise GaugeError("invalid_gauge_transform: 'cross_head' needs at least two KV heads")
+    for site in sites:
+        rwc = lambda n, d: random_well_conditioned(n, d, log_scale=log_scale, generator=g)  # noqa: E731
+        if kind == "asymmetric_qk":
+            A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
+            B = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
+            act_qk(site, A, B_inv=torch.linalg.inv(B))
+        elif kind == "wrong_inverse":
+            A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
+            act_qk(site, A, B_inv=A.mT)
+        elif kind == "vo_mismatch":
+            act_vo(site, rwc(site.h_kv, site.d_v), D=rwc(site.h_kv, site.d_v))
+        elif kind == "gl_under_rope":
+            if site.rope.active:
+                act_qk(site, rwc(site.h_kv, site.d_k), check=False)
+        elif kind == "cross_head":
+            _mix_heads(site, rwc(1, site.h_kv * site.d_k)[0])
+    return model
+
+
+@torch.no_grad()
+def _mix_heads(site: AttentionSite, M: torch.Tensor) -> None:
+    """``q_all ← Mᵀ q_all`` and ``k_all ← M⁻¹ k_all`` over the stacked KV groups (per query
+    replica), which keeps ``Σ_heads q·k`` but not the per-head scores the softmax sees."""
+    if site.h_kv < 2:
+        return
+    wq, bq = site.effective("q")  # (h, d_k, d)
+    wk, bk = site.effective("k")  # (h_kv, d_k, d)
+    hk, n, dk = site.h_kv, site.n_rep, site.d_k
+    M = M.to(wq)
+    Mi = torch.linalg.inv(M)
+
+    def mix(w, mat, grouped):  # w: (h_kv*n or h_kv, d_k, ...) -> same
+        tail = w.shape[2:]
+        if grouped:
+            x = w.reshape(hk, n, dk, *tail).transpose(0, 1).reshape(n, hk * dk, *tail)
+            x = torch.einsum("ab,nb...->na...", mat, x)
+            return x.reshape(n, hk, dk, *tail).transpose(0, 1).reshape(hk * n, dk, *tail)
+        return torch.einsum("ab,b...->a...", mat, w.reshape(hk * dk, *tail)).reshape(hk, dk, *tail)
+
+    site.set_effective("q", mix(wq, M.mT, True), None if bq is None else mix(bq, M.mT, True))
+    site.set_effective("k", mix(wk, Mi, False), None if bk is None else mix(bk, Mi, False))

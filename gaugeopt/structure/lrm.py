@@ -1,0 +1,280 @@
+"""Learnable multipliers (LRM): ``W = diag(r) · W̄ · diag(c)`` without materialising ``W``.
+
+Velikanov et al. (2026), as used by GaugeFix-LRM (paper 002, eq. 1). A linear layer keeps its
+base matrix ``W̄`` (weight-decayed as usual) and learns a row scale ``r`` and a column scale
+``c``, both initialised to 1:
+
+    y = ((x ⊙ c) W̄ᵀ + b̄) ⊙ r          # O(tokens·d) extra work, never O(d²)
+
+The bias sits inside the row scale, so ``[W̄ | b̄]`` is one augmented matrix whose rows ``r``
+scales (DESIGN.md §1): every diagonal gauge acts on the multipliers alone.
+
+A fused projection (GPT-2's ``c_attn``) is split into blocks (Q, K, V) that each get their
+own ``r`` and ``c`` — the Q/K gauge lives on ``r_Q`` vs ``r_K`` and the paper's conditions
+decay them differently, so they must be separate parameters:
+
+    y = concat_s ( ((x ⊙ c_s) W̄_sᵀ + b̄_s) ⊙ r_s )
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    >>> x = torch.randint(0, 64, (2, 8))
+    >>> before = model(x)[0]
+    >>> _ = gaugeopt.apply_lrm(model)
+    >>> torch.allclose(model(x)[0], before, atol=1e-6)
+    True
+    >>> groups = gaugeopt.lrm_param_groups(model, condition="B")
+    >>> [(g["name"], g["weight_decay"]) for g in groups]
+    [('matrices', 0.1), ('multipliers', 0.002), ('qk_multipliers', 0.0), ('no_decay', 0.0)]
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gaugeopt.errors import GaugeError
+
+__all__ = ["LRMLinear", "apply_lrm", "lrm_param_groups", "qk_multiplier_names", "is_lrm"]
+
+
+class LRMLinear(nn.Module):
+    """A linear layer with learnable row and column multipliers (``nn.Linear`` layout).
+
+    Args:
+        in_features, out_features: as ``nn.Linear``.
+        bias: learn a base bias ``b̄`` (scaled by ``r`` like the rows it belongs to).
+        split_sizes: output blocks with separate multipliers (default: one block).
+
+    Parameters:
+        weight: ``W̄``, ``(out_features, in_features)``.
+        bias: ``b̄``, ``(out_features,)`` or ``None``.
+        row_mults: one ``(split_sizes[s],)`` vector ``r_s`` per block.
+        col_mults: one ``(in_features,)`` vector ``c_s`` per block.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        split_sizes: Sequence[int] | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.in_features = in_features
+        self.out_features = out_features
+        sizes = tuple(split_sizes) if split_sizes is not None else (out_features,)
+        if sum(sizes) != out_features or any(s <= 0 for s in sizes):
+            raise GaugeError(f"LRMLinear: split_sizes={sizes} must be positive and sum to out_features={out_features}")
+        self.split_sizes = sizes
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        self.bias = nn.Parameter(torch.zeros(out_features, **factory)) if bias else None
+        self.row_mults = nn.ParameterList([nn.Parameter(torch.ones(s, **factory)) for s in sizes])
+        self.col_mults = nn.ParameterList([nn.Parameter(torch.ones(in_features, **factory)) for _ in sizes])
+        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, split_sizes: Sequence[int] | None = None) -> "LRMLinear":
+        """Convert an ``nn.Linear`` or HF ``Conv1D`` (multipliers = 1: same function)."""
+        if type(linear) is nn.Linear:
+            w = linear.weight.detach()
+        elif _is_conv1d(linear):
+            w = linear.weight.detach().t()  # Conv1D stores (in, out)
+        else:
+            raise GaugeError(f"LRMLinear.from_linear: cannot convert {type(linear).__qualname__}")
+        out_f, in_f = w.shape
+        new = cls(in_f, out_f, bias=linear.bias is not None, split_sizes=split_sizes, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            new.weight.copy_(w)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias.detach())
+        new.weight.requires_grad_(linear.weight.requires_grad)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.split_sizes) == 1:
+            return F.linear(x * self.col_mults[0], self.weight, self.bias) * self.row_mults[0]
+        ws = self.weight.split(self.split_sizes, dim=0)
+        bs = self.bias.split(self.split_sizes) if self.bias is not None else (None,) * len(ws)
+        outs = [F.linear(x * c, w, b) * r for w, b, r, c in zip(ws, bs, self.row_mults, self.col_mults)]
+        return torch.cat(outs, dim=-1)
+
+    def row_multiplier(self) -> torch.Tensor:
+        """All row multipliers concatenated, ``(out_features,)`` (a new tensor)."""
+        return torch.cat(list(self.row_mults))
+
+    def effective_weight(self) -> torch.Tensor:
+        """``diag(r) · W̄ · diag(c)`` as a dense ``(out, in)`` matrix (for tools and tests only)."""
+        ws = self.weight.split(self.split_sizes, dim=0)
+        return torch.cat([r[:, None] * w * c[None, :] for w, r, c in zip(ws, self.row_mults, self.col_mults)])
+
+    def extra_repr(self) -> str:
+        split = f", split_sizes={self.split_sizes}" if len(self.split_sizes) > 1 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{split}"
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers")
+
+
+def is_lrm(model: nn.Module) -> bool:
+    """True when ``model`` contains at least one :class:`LRMLinear`."""
+    return any(isinstance(m, LRMLinear) for m in model.modules())
+
+
+def _fused_layouts(model: nn.Module, sites) -> dict[int, tuple[int, ...]]:
+    """id(module) → split sizes for the fused QKV projections of the attention sites."""
+    layouts: dict[int, tuple[int, ...]] = {}
+    for s in sites:
+        q_owner = s.q.weight.owner
+        if s.k.weight.owner is q_owner:  # fused
+            sizes = [s.h * s.d_k, s.h_kv * s.d_k]
+            if s.v.weight.owner is q_owner:
+                sizes.append(s.h_kv * s.d_v)
+            layouts[id(q_owner)] = tuple(sizes)
+    return layouts
+
+
+def apply_lrm(
+    model: nn.Module,
+    *,
+    include: Callable[[str, nn.Module], bool] | None = None,
+    sites=None,
+) -> nn.Module:
+    """Replace the model's linear layers by :class:`LRMLinear` in place; the function is unchanged.
+
+    Converts every ``nn.Linear`` (exact class) and Hugging Face ``Conv1D`` except: layers whose
+    weight is shared with another module (a tied output head), and the projections inside
+    ``nn.MultiheadAttention`` (whose forward reads the raw weight). Fused Q/K/V projections of
+    the attention sites found by :func:`gaugeopt.find_attention` get one multiplier block each.
+    A ``Conv1D``'s weight is stored transposed into ``nn.Linear`` layout.
+
+    Args:
+        model: the model to convert (modified in place and returned).
+        include: optional ``(qualified_name, module) -> bool`` to restrict the conversion.
+        sites: attention sites (default: ``find_attention(model)``; a model without attention
+            is converted without fused splits).
+
+    Returns:
+        ``model``.
+    """
+    from gaugeopt.structure.site import find_attention
+
+    if is_lrm(model):
+        raise GaugeError("apply_lrm: the model already contains LRMLinear layers; convert it only once")
+    if sites is None:
+        try:
+            sites = find_attention(model)
+        except GaugeError as err:
+            if "no attention layer found" not in str(err):
+                raise
+            sites = []
+    layouts = _fused_layouts(model, sites)
+    weight_users: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            weight_users[id(p)] = weight_users.get(id(p), 0) + 1
+    mha_children = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.modules()}
+    replacements = []
+    for name, module in model.named_modules():
+        if not (type(module) is nn.Linear or _is_conv1d(module)):
+            continue
+        if id(module) in mha_children or weight_users.get(id(module.weight), 0) > 1:
+            continue
+        if include is not None and not include(name, module):
+            continue
+        replacements.append((name, module))
+    for name, module in replacements:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, LRMLinear.from_linear(module, layouts.get(id(module))))
+    return model
+
+
+def qk_multiplier_names(model: nn.Module, sites=None, *, which: str = "rows") -> set[str]:
+    """Qualified names of the Q and K multipliers of every attention site.
+
+    ``which="rows"`` (default) gives ``r_Q`` and ``r_K``, the pair the Q/K gauge rescales;
+    ``"all"`` adds the column multipliers ``c_Q``, ``c_K`` of the same projections.
+    """
+    from gaugeopt.structure.site import find_attention
+
+    if which not in ("rows", "all"):
+        raise GaugeError(f"which={which!r} must be 'rows' or 'all'")
+    sites = find_attention(model) if sites is None else sites
+    names: set[str] = set()
+    for s in sites:
+        for proj in (s.q, s.k):
+            if proj.row_mult is not None:
+                names.add(proj.row_mult.name)
+            if which == "all" and proj.col_mult is not None:
+                names.add(proj.col_mult.name)
+    return names
+
+
+def lrm_param_groups(
+    model: nn.Module,
+    condition: str = "A",
+    *,
+    weight_decay: float = 0.1,
+    multiplier_decay: float = 2e-3,
+    qk_multipliers: str = "rows",
+    sites=None,
+    **group_options,
+) -> list[dict]:
+    """Optimizer parameter groups for paper 002's three conditions.
+
+    ============  ==============  =====================  ===================  ==========
+    condition     matrices (≥2-D)  other multipliers     Q/K multipliers      1-D rest
+    ============  ==============  =====================  ===================  ==========
+    ``"A"``       0.1              2e-3                  2e-3                 0
+    ``"B"``       0.1              2e-3                  **0** (+ GaugeFix)   0
+    ``"C"``       0.1              2e-3                  **0** (no control)   0
+    ============  ==============  =====================  ===================  ==========
+
+    "Matrices" are parameters with ``dim >= 2`` (``W̄``, embeddings — nanoGPT's rule); "1-D
+    rest" are biases and norm gains. B and C differ only in whether GaugeFix runs, which is
+    not an optimizer setting. Every group carries a ``"name"`` key; extra keyword arguments
+    (``lr=...``) are copied into every group. Empty groups are dropped.
+
+    Args:
+        condition: ``"A"``, ``"B"`` or ``"C"``.
+        qk_multipliers: ``"rows"`` (``r_Q``, ``r_K``: the gauge pair) or ``"all"`` (also ``c_Q``, ``c_K``).
+    """
+    if condition not in ("A", "B", "C"):
+        raise GaugeError(f"lrm_param_groups: condition={condition!r} must be 'A', 'B' or 'C'")
+    mult_ids = set()
+    for m in model.modules():
+        if isinstance(m, LRMLinear):
+            mult_ids.update(id(p) for p in (*m.row_mults, *m.col_mults))
+    if not mult_ids:
+        raise GaugeError("lrm_param_groups: the model has no learnable multipliers; call gaugeopt.apply_lrm(model) first")
+    qk = qk_multiplier_names(model, sites, which=qk_multipliers) if condition in ("B", "C") else set()
+    groups: dict[str, list] = {"matrices": [], "multipliers": [], "qk_multipliers": [], "no_decay": []}
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        if name in qk:
+            groups["qk_multipliers"].append(p)
+        elif id(p) in mult_ids:
+            groups["multipliers"].append(p)
+        elif p.dim() >= 2:
+            groups["matrices"].append(p)
+        else:
+            groups["no_decay"].append(p)
+    decay = {"matrices": weight_decay, "multipliers": multiplier_decay, "qk_multipliers": 0.0, "no_decay": 0.0}
+    return [
+        {"params": ps, "weight_decay": decay[n], "name": n, **group_options}
+        for n, ps in groups.items()
+        if ps
+    ]
+

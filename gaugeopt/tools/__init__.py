@@ -1,0 +1,1 @@
+"""Model tools: canonical forms, equivalence, merging, counting, checkpoints and the CLI."""

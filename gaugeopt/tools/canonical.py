@@ -1,0 +1,508 @@
+"""Canonical forms of the attention gauge: the QR section and the Gram-balanced section.
+
+A canonical form picks one representative of each gauge orbit (DESIGN.md §5). Per attention
+layer and KV group ``j`` (shared by its query heads ``i``), in gaugeopt's PyTorch layout
+(``W_Q[i]: (d_k, d)``, rows are head channels; the paper writes ``W_Q^{(i)} = W_Q[i]ᵀ``):
+
+=================  ==============================================  ==============================
+section            Q/K equations (``P = Σ_i W_Q[i]W_Q[i]ᵀ``,       V/O equation
+                   ``R = W_K[j]W_K[j]ᵀ``, both ``d_k×d_k``)
+=================  ==============================================  ==============================
+``"qr"``           ``P = I``  (paper 000 Alg. 1: thin QR of the    ``W_V[j]W_V[j]ᵀ = I``
+                   stacked queries, positive diagonal, ``R``
+                   transported into ``W_K``)
+``"balanced"``     ``P = R``  (paper 001 Def. 31,                  ``W_V[j]W_V[j]ᵀ = I``
+                   ``W_QᵀW_Q = W_KᵀW_K`` in the paper's layout)
+=================  ==============================================  ==============================
+
+The paper's ``(W_V^{(i)})ᵀW_V^{(i)} = I`` is ``W_V[j]W_V[j]ᵀ = I`` here. With GQA one factor
+serves a whole group, so the query condition is on the group sum ``P`` (for ``h_kv = h`` it
+is the paper's per-head condition). Biases travel covariantly (paper 000 Prop. 12):
+``b_Q ← Aᵀb_Q``, ``b_K ← A⁻¹b_K``, ``b_V ← Cᵀb_V``; the output bias is untouched.
+
+**Residual freedom.** Both sections leave ``O(d_k) × O(d_v)`` per group (paper 000 Prop. 45).
+``residual="keep"`` stops there — exactly Algorithm 1 for ``"qr"``, the symmetric
+positive-definite balancing factor for ``"balanced"``. ``residual="fix"`` (default) removes
+it with a deterministic convention, so the form is unique on generic weights:
+
+* ``P + R`` is diagonal with descending diagonal (``"qr"``: ``R = diag(σ²)``, the rows of
+  ``W_Q`` are the left singular vectors of the QK circuit ``W_QᵀW_K``; ``"balanced"``:
+  ``P = R = diag(σ)``, the symmetric split of its SVD);
+* ``Σ_i W_O[:, i]ᵀW_O[:, i]`` is diagonal with descending diagonal (SVD of the OV circuit);
+* signs: each row ``a`` of ``W_K`` (and of ``W_V``) has ``Σ_c W[a, c]³ > 0``.
+
+**RoPE.** The Q/K factor must lie in the commutant: ``a·I + b·J`` on each rotation plane
+(``GL(1, ℂ)``: a scale ``ρ`` and an angle ``φ``) and full ``GL`` on the non-rotary
+coordinates. A plane's 2×2 Grams ``P_m, R_m`` can only be scaled and conjugated by a
+rotation, so on a plane the section fixes the *traces* — ``"qr"``: ``tr P_m = 2``,
+``"balanced"``: ``tr P_m = tr R_m`` — and, with ``residual="fix"``, the angle (``P_m + R_m``
+diagonal, larger entry first) and the sign ``−I`` (cubic rule over both rows of ``W_K``).
+Non-rotary coordinates get the full treatment above. The residual freedom on a plane is
+``SO(2)``.
+
+**Head order** (``sort_heads=True``). Query heads within a KV group, then the groups, are
+sorted by descending QK-circuit energy ``‖W_Q[i]ᵀW_K[j]‖_F²`` (group: summed over its query
+heads), ties broken by the OV-circuit energy ``‖W_O[:, i]W_V[j]‖_F²``, then
+lexicographically on the canonical parameters. Both keys are gauge invariant; in the QR
+section with ``h_kv = h`` the first is paper 000's ``‖W_K^{(i)}‖_F`` rule (paper 001 sorts
+by ``‖W_Q‖_F``, which is not invariant across sections). Exact ties change nothing (the
+tied heads are then identical); *near* ties make the order fragile, see
+:attr:`CanonicalReport.margins`.
+
+**Learnable multipliers.** The gauge acts on the effective weights ``diag(r)·W̄·diag(c)``.
+With ``fold_multipliers=True`` (default) every :class:`~gaugeopt.structure.lrm.LRMLinear` is first
+folded (``W̄ ← diag(r)W̄diag(c)``, ``b̄ ← r⊙b̄``, ``r = c = 1``), which also removes the
+internal ``r·W̄·c`` rescalings, so the stored parameters are canonical. With ``False`` the
+multipliers keep their values (head sorting moves them with their heads) and only the
+effective attention weights are canonical; ``W̄`` absorbs the change.
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.tools.canonical import canonicalize
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)).double()
+    >>> report = canonicalize(model, "qr")
+    >>> x = torch.randint(0, 64, (2, 16))
+    >>> gaugeopt.relative_change(model(x)[0], report.model(x)[0]) < 1e-12
+    True
+    >>> report.after.summary()["value_orthonormality"][1] < 1e-12
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
+from gaugeopt.errors import GaugeError
+from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.structure.site import AttentionSite, find_attention
+
+__all__ = [
+    "SECTIONS", "RESIDUALS", "GaugeMetrics", "CanonicalReport", "canonicalize", "canonical_metrics",
+    "section_residual", "fold_lrm_multipliers", "effective_tensors", "head_energies",
+]
+
+SECTIONS = ("qr", "balanced")
+RESIDUALS = ("fix", "keep")
+
+
+# ---------------------------------------------------------------------- reading a site
+def effective_tensors(site: AttentionSite) -> dict[str, torch.Tensor | None]:
+    """Effective float64 copies: ``wq (h, d_k, d)``, ``bq (h, d_k)``, ``wk (h_kv, d_k, d)``,
+    ``bk``, ``wv (h_kv, d_v, d)``, ``bv``, ``wo (h, d_out, d_v)`` (per head: ``W_O[:, i]``)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for p in "qkvo":
+        w, b = site.effective(p)
+        out["w" + p] = w.detach().double()  # (under LRM site.effective stays attached to the multipliers)
+        out["b" + p] = None if b is None else b.detach().double()
+    out["wo"] = out["wo"].permute(1, 0, 2)  # (d_out, h, d_v) -> (h, d_out, d_v)
+    return out
+
+
+def _stack_queries(site: AttentionSite, wq: torch.Tensor) -> torch.Tensor:
+    """``(h, d_k, d) -> (h_kv, d_k, n_rep·d)``: the query rows of each KV group side by side,
+    so that ``S Sᵀ = Σ_i W_Q[i]W_Q[i]ᵀ``."""
+    h, dk, d = wq.shape
+    return wq.reshape(site.h_kv, site.n_rep, dk, d).permute(0, 2, 1, 3).reshape(site.h_kv, dk, -1)
+
+
+def _stack_outputs(site: AttentionSite, wo: torch.Tensor) -> torch.Tensor:
+    """``(h, d_out, d_v) -> (h_kv, n_rep·d_out, d_v)``: ``Tᵀ T = Σ_i W_O[:, i]ᵀW_O[:, i]``."""
+    return wo.reshape(site.h_kv, -1, wo.shape[-1])
+
+
+# ---------------------------------------------------------------------- small linear algebra
+def _qr_pos(x: torch.Tensor, what: str, rtol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thin QR ``x = Q R`` of ``(..., m, n)`` with ``diag(R) > 0`` (paper 000 Remark 48);
+    refuses a numerically rank-deficient ``x`` (the section needs full rank, Assumption A4)."""
+    q, r = torch.linalg.qr(x)
+    s = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
+    s[s == 0] = 1
+    q, r = q * s[..., None, :], r * s[..., :, None]
+    sv = torch.linalg.svdvals(r)
+    ratio = sv[..., -1] / sv[..., 0].clamp_min(torch.finfo(sv.dtype).tiny)
+    if x.shape[-2] < x.shape[-1] or bool((ratio <= rtol).any()):
+        worst = float(ratio.min()) if x.shape[-2] >= x.shape[-1] else 0.0
+        raise GaugeError(
+            f"{what} is numerically rank deficient (σ_min/σ_max = {worst:.2e} <= rank_rtol={rtol:.1e}); "
+            "the canonical form needs full-rank projections (paper 000 Assumption A4). Prune or merge the "
+            "degenerate head first, or pass a smaller rank_rtol if the model is merely ill conditioned"
+        )
+    return q, r
+
+
+def _tri_inv(r: torch.Tensor) -> torch.Tensor:
+    eye = torch.eye(r.shape[-1], dtype=r.dtype).expand_as(r)
+    return torch.linalg.solve_triangular(r, eye, upper=True)
+
+
+def _sign_of_cubes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sign(Σ_c x³)`` per row (``+1`` for 0) and the margin ``|Σ x³| / Σ |x|³``."""
+    cube = (rows**3).sum(-1)
+    s = torch.sign(cube)
+    s[s == 0] = 1
+    return s, cube.abs() / (rows.abs() ** 3).sum(-1).clamp_min(torch.finfo(rows.dtype).tiny)
+
+
+def _gaps(sig: torch.Tensor) -> torch.Tensor:
+    """Smallest relative gap between consecutive descending values, per batch entry."""
+    if sig.shape[-1] < 2:
+        return torch.full(sig.shape[:-1], float("inf"), dtype=sig.dtype)
+    return ((sig[..., :-1] - sig[..., 1:]) / sig[..., :1].clamp_min(torch.finfo(sig.dtype).tiny)).amin(-1)
+
+
+# ---------------------------------------------------------------------- the factors
+def _free_qk_factor(S, K, section, residual, rtol, what, margins):
+    """Factor ``A (g, f, f)`` for unconstrained coordinates: queries ``S (g, f, N)``, keys ``K (g, f, M)``.
+
+    ``Sᵀ = Q_S R_S``, ``Kᵀ = Q_K R_K``, core ``R_S R_Kᵀ = u σ vᵀ``; ``A = R_S⁻¹ u σᵗ`` gives
+    ``AᵀS = σᵗuᵀQ_Sᵀ`` and ``A⁻¹K = σ¹⁻ᵗvᵀQ_Kᵀ`` (``t = 0``: QR section, ``t = ½``: balanced).
+    """
+    _, rs = _qr_pos(S.mT, f"{what} stacked W_Q", rtol)
+    rs_inv = _tri_inv(rs)
+    if residual == "keep" and section == "qr":
+        return rs_inv  # paper 000 Algorithm 1
+    qk, rk = _qr_pos(K.mT, f"{what} W_K", rtol)
+    u, sig, vh = torch.linalg.svd(rs @ rk.mT)
+    t = 0.0 if section == "qr" else 0.5
+    A = rs_inv @ (u * sig[..., None, :] ** t)
+    if residual == "keep":  # balanced: the symmetric positive-definite balancing factor
+        x, y, _ = torch.linalg.svd(A)
+        return (x * y[..., None, :]) @ x.mT
+    s, margin = _sign_of_cubes(vh @ qk.mT)  # rows of A⁻¹K up to the positive σ¹⁻ᵗ
+    margins["spectral_gap"] = min(margins["spectral_gap"], float(_gaps(sig).min()))
+    margins["sign_margin"] = min(margins["sign_margin"], float(margin.min()))
+    return A * s[..., None, :]
+
+
+def _plane_qk_factor(S, K, planes, section, residual, what, margins):
+    """Per plane ``(p, q)`` the commutant element ``ρ(cos φ·I + sin φ·J)``; returns ``(a, b)``,
+    each ``(g, n_planes)``, with ``A[p,p] = A[q,q] = a``, ``A[q,p] = b``, ``A[p,q] = −b``."""
+    p, q = (list(c) for c in zip(*planes))
+    Sp, Sq, Kp, Kq = S[:, p], S[:, q], K[:, p], K[:, q]
+    tr_p = (Sp * Sp).sum(-1) + (Sq * Sq).sum(-1)
+    tr_r = (Kp * Kp).sum(-1) + (Kq * Kq).sum(-1)
+    tiny = torch.finfo(S.dtype).tiny
+    if bool((tr_p <= tiny).any()) or bool((tr_r <= tiny).any()):
+        raise GaugeError(f"{what}: a RoPE plane of W_Q or W_K is zero; the canonical form needs every plane to be used")
+    rho = (2.0 / tr_p).sqrt() if section == "qr" else (tr_r / tr_p) ** 0.25
+    if residual == "keep":
+        return rho, torch.zeros_like(rho)
+    r2, ir2 = rho**2, rho**-2  # G = ρ²P_m + ρ⁻²R_m, rotated to diagonal (larger entry first)
+    g_pp = r2 * (Sp * Sp).sum(-1) + ir2 * (Kp * Kp).sum(-1)
+    g_qq = r2 * (Sq * Sq).sum(-1) + ir2 * (Kq * Kq).sum(-1)
+    g_pq = r2 * (Sp * Sq).sum(-1) + ir2 * (Kp * Kq).sum(-1)
+    phi = 0.5 * torch.atan2(2 * g_pq, g_pp - g_qq)  # angle of the top eigenvector
+    c, s = torch.cos(phi), torch.sin(phi)
+    kp_new = (c[..., None] * Kp + s[..., None] * Kq) / rho[..., None]  # A⁻¹K = ρ⁻¹Rot(−φ)K on the plane
+    kq_new = (-s[..., None] * Kp + c[..., None] * Kq) / rho[..., None]
+    sign, margin = _sign_of_cubes(torch.cat([kp_new, kq_new], dim=-1))
+    gap = torch.sqrt((g_pp - g_qq) ** 2 + 4 * g_pq**2) / (g_pp + g_qq)
+    margins["spectral_gap"] = min(margins["spectral_gap"], float(gap.min()))
+    margins["sign_margin"] = min(margins["sign_margin"], float(margin.min()))
+    return sign * rho * c, sign * rho * s
+
+
+def _qk_factor(site, t, section, residual, rtol, margins) -> torch.Tensor:
+    S = _stack_queries(site, t["wq"])
+    K = t["wk"]
+    g, dk = site.h_kv, site.d_k
+    r = site.rope.rotary_dim
+    A = torch.zeros(g, dk, dk, dtype=torch.float64)
+    what = f"{site.name}: Q/K"
+    if r < dk:
+        A[:, r:, r:] = _free_qk_factor(S[:, r:], K[:, r:], section, residual, rtol, what, margins)
+    planes = site.rope.planes(dk)
+    if planes:
+        a, b = _plane_qk_factor(S, K, planes, section, residual, what, margins)
+        p, q = (list(c) for c in zip(*planes))
+        A[:, p, p] = a
+        A[:, q, q] = a
+        A[:, q, p] = b
+        A[:, p, q] = -b
+    return A
+
+
+def _vo_factor(site, t, residual, rtol, margins) -> torch.Tensor:
+    """``C (h_kv, d_v, d_v)`` with ``CᵀW_V`` row-orthonormal; ``"fix"`` also diagonalises the
+    stacked ``W_O`` Gram (``W_Vᵀ = Q_V R_V``, ``T = Q_T R_T``, ``R_T R_Vᵀ = uσvᵀ``, ``C = R_V⁻¹v``)."""
+    what = f"{site.name}: V/O"
+    qv, rv = _qr_pos(t["wv"].mT, f"{what} W_V", rtol)
+    rv_inv = _tri_inv(rv)
+    if residual == "keep":
+        return rv_inv  # paper 000 Algorithm 1
+    _, rt = _qr_pos(_stack_outputs(site, t["wo"]), f"{what} stacked W_O", rtol)
+    _, sig, vh = torch.linalg.svd(rt @ rv.mT)
+    s, margin = _sign_of_cubes(vh @ qv.mT)  # rows of CᵀW_V
+    margins["spectral_gap"] = min(margins["spectral_gap"], float(_gaps(sig).min()))
+    margins["sign_margin"] = min(margins["sign_margin"], float(margin.min()))
+    return (rv_inv @ vh.mT) * s[..., None, :]
+
+
+# ---------------------------------------------------------------------- head order
+def _cmp_factory(keys: list[tuple[float, float]], blocks: torch.Tensor):
+    def cmp(a: int, b: int) -> int:
+        for x, y in zip(keys[a], keys[b]):
+            if x != y:
+                return -1 if x > y else 1  # descending
+        diff = (blocks[a] != blocks[b]).nonzero()
+        if len(diff) == 0:
+            return 0
+        c = int(diff[0])
+        return -1 if blocks[a, c] > blocks[b, c] else 1
+
+    return functools.cmp_to_key(cmp)
+
+
+def _with(x: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return like.new_zeros(like.shape[0], 0) if x is None else x.reshape(like.shape[0], -1)
+
+
+def head_energies(site: AttentionSite, t: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gauge-invariant per-query-head keys ``(‖W_Q[i]ᵀW_K[j]‖_F², ‖W_O[:, i]W_V[j]‖_F²)``, each ``(h,)``,
+    from ``d_k×d_k`` Grams (``‖XᵀY‖² = ⟨XXᵀ, YYᵀ⟩``)."""
+    t = effective_tensors(site) if t is None else t
+    n = site.n_rep
+    gq = t["wq"] @ t["wq"].mT
+    gk = (t["wk"] @ t["wk"].mT).repeat_interleave(n, 0)
+    go = t["wo"].mT @ t["wo"]
+    gv = (t["wv"] @ t["wv"].mT).repeat_interleave(n, 0)
+    return (gq * gk).sum((-1, -2)), (go * gv).sum((-1, -2))
+
+
+def _head_order(site: AttentionSite, margins: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    t = effective_tensors(site)
+    n, g = site.n_rep, site.h_kv
+    e_qk, e_ov = head_energies(site, t)
+    q_blocks = torch.cat([_with(t["wq"], t["wq"]), _with(t["bq"], t["wq"]), _with(t["wo"], t["wo"])], 1)
+    within = []
+    for j in range(g):
+        idx = list(range(j * n, (j + 1) * n))
+        keys = [(float(e_qk[i]), float(e_ov[i])) for i in idx]
+        order = sorted(range(n), key=_cmp_factory(keys, q_blocks[idx]))
+        within.append([idx[o] for o in order])
+    g_keys = [(float(e_qk[w].sum()), float(e_ov[w].sum())) for w in within]
+    g_blocks = torch.cat(
+        [_with(t["wk"], t["wk"]), _with(t["bk"], t["wk"]), _with(t["wv"], t["wv"]), _with(t["bv"], t["wv"]),
+         torch.stack([q_blocks[w].reshape(-1) for w in within])], 1,
+    )
+    kv_order = sorted(range(g), key=_cmp_factory(g_keys, g_blocks))
+    q_perm = torch.tensor([i for j in kv_order for i in within[j]])
+    chains = [[g_keys[j][0] for j in kv_order]] + [[float(e_qk[i]) for i in w] for w in within]
+    for chain in chains:  # only neighbours the sort actually compared
+        for a, b in zip(chain, chain[1:]):
+            if a > 0:
+                margins["sort_gap"] = min(margins["sort_gap"], abs(a - b) / a)
+    return torch.tensor(kv_order), q_perm
+
+
+# ---------------------------------------------------------------------- metrics
+@dataclass
+class GaugeMetrics:
+    """Paper 000 Table 8 per (layer, KV group), from the effective weights.
+
+    ``value_orthonormality = ‖W_V W_Vᵀ − I‖_F``; ``qk_imbalance = ‖P − R‖_F / ‖P‖_F`` and
+    ``cond_q = κ(P)``, ``cond_k = κ(R)`` with the weight Grams ``P = Σ_i W_Q[i]W_Q[i]ᵀ``,
+    ``R = W_K W_Kᵀ`` (the paper uses activation covariances; for white inputs they coincide).
+    Under RoPE the balanced section equalises only the per-plane traces of ``P`` and ``R``, so
+    ``qk_imbalance`` does not vanish there.
+    """
+
+    value_orthonormality: torch.Tensor
+    qk_imbalance: torch.Tensor
+    cond_q: torch.Tensor
+    cond_k: torch.Tensor
+
+    def summary(self) -> dict[str, tuple[float, float]]:
+        """``{metric: (mean, max)}`` over layers and KV groups."""
+        return {name: (float(v.mean()), float(v.max())) for name, v in vars(self).items()}
+
+
+def canonical_metrics(model: nn.Module) -> GaugeMetrics:
+    """Compute :class:`GaugeMetrics` for every attention layer of ``model``."""
+    vals: dict[str, list[torch.Tensor]] = {k: [] for k in ("value_orthonormality", "qk_imbalance", "cond_q", "cond_k")}
+    for site in find_attention(model):
+        t = effective_tensors(site)
+        S = _stack_queries(site, t["wq"])
+        P, R = S @ S.mT, t["wk"] @ t["wk"].mT
+        gv = t["wv"] @ t["wv"].mT
+        vals["value_orthonormality"].append(torch.linalg.matrix_norm(gv - torch.eye(site.d_v, dtype=gv.dtype)))
+        vals["qk_imbalance"].append(torch.linalg.matrix_norm(P - R) / torch.linalg.matrix_norm(P))
+        for name, G in (("cond_q", P), ("cond_k", R)):
+            ev = torch.linalg.eigvalsh(G)
+            vals[name].append(ev[..., -1] / ev[..., 0].clamp_min(torch.finfo(ev.dtype).tiny))
+    return GaugeMetrics(**{k: torch.cat(v) for k, v in vals.items()})
+
+
+# ---------------------------------------------------------------------- the section's equations
+def section_residual(model: nn.Module, section: str = "qr", residual: str = "fix") -> float:
+    """Largest violation of the section's equations in ``model`` (0 for an exact canonical form).
+
+    Relative residuals of: the Q/K condition (``P = I`` / ``P = R`` on non-rotary coordinates,
+    ``tr P_m = 2`` / ``tr P_m = tr R_m`` per plane), ``W_V W_Vᵀ = I``, and with
+    ``residual="fix"`` the diagonal/descending/sign conventions (a wrong sign counts as 1).
+    """
+    _check_args(section, residual)
+    worst = 0.0
+    for site in find_attention(model):
+        t = effective_tensors(site)
+        S, K = _stack_queries(site, t["wq"]), t["wk"]
+        r, dk = site.rope.rotary_dim, site.d_k
+        eye = lambda n: torch.eye(n, dtype=torch.float64)  # noqa: E731
+        if r < dk:
+            P, R = S[:, r:] @ S[:, r:].mT, K[:, r:] @ K[:, r:].mT
+            ref = torch.linalg.matrix_norm(P + R)
+            target = eye(dk - r) if section == "qr" else R
+            worst = max(worst, float((torch.linalg.matrix_norm(P - target) / ref).max()))
+            if residual == "fix":
+                worst = max(worst, _diag_violation(P + R, ref), _sign_violation(K[:, r:]))
+        planes = site.rope.planes(dk)
+        if planes:
+            p, q = (list(c) for c in zip(*planes))
+            tp = (S[:, p] ** 2).sum(-1) + (S[:, q] ** 2).sum(-1)
+            tr = (K[:, p] ** 2).sum(-1) + (K[:, q] ** 2).sum(-1)
+            gap = (tp - 2).abs() / 2 if section == "qr" else (tp - tr).abs() / (tp + tr)
+            worst = max(worst, float(gap.max()))
+            if residual == "fix":
+                G = torch.stack([S[:, p], S[:, q]], 2) @ torch.stack([S[:, p], S[:, q]], 2).mT
+                G = G + torch.stack([K[:, p], K[:, q]], 2) @ torch.stack([K[:, p], K[:, q]], 2).mT
+                worst = max(worst, _diag_violation(G, torch.linalg.matrix_norm(G)))
+                worst = max(worst, _sign_violation(torch.cat([K[:, p], K[:, q]], -1)))
+        gv = t["wv"] @ t["wv"].mT
+        worst = max(worst, float(torch.linalg.matrix_norm(gv - eye(site.d_v)).max()))
+        if residual == "fix":
+            T = _stack_outputs(site, t["wo"])
+            G = T.mT @ T
+            worst = max(worst, _diag_violation(G, torch.linalg.matrix_norm(G)), _sign_violation(t["wv"]))
+    return worst
+
+
+def _diag_violation(G: torch.Tensor, ref: torch.Tensor) -> float:
+    """Off-diagonal mass and ascending steps of the diagonal, relative to ``ref``."""
+    d = torch.diagonal(G, dim1=-2, dim2=-1)
+    off = torch.linalg.matrix_norm(G - torch.diag_embed(d))
+    steps = (d[..., 1:] - d[..., :-1]).clamp_min(0).amax(-1) if d.shape[-1] > 1 else torch.zeros_like(off)
+    return float(((off + steps) / ref).max())
+
+
+def _sign_violation(rows: torch.Tensor) -> float:
+    return float(((rows**3).sum(-1) < 0).any())
+
+
+# ---------------------------------------------------------------------- the public entry point
+@dataclass
+class CanonicalReport:
+    """What :func:`canonicalize` did.
+
+    Attributes:
+        model: the canonical model (the input itself when ``inplace=True``).
+        section, residual: as requested.
+        before, after: :class:`GaugeMetrics` (paper 000 Table 8).
+        kv_perms, q_perms: per layer, new KV head ``j`` is old ``kv_perms[l][j]`` and new query
+            head ``i`` is old ``q_perms[l][i]`` (identity without sorting).
+        margins: how far the deterministic choices are from being ambiguous, all relative:
+            ``spectral_gap`` (smallest gap between the singular values or plane eigenvalues the
+            residual fix diagonalised), ``sign_margin`` (smallest ``|Σx³|/Σ|x|³`` of the sign
+            rule), ``sort_gap`` (smallest relative gap between consecutive sort keys). A value
+            near rounding level means a tiny perturbation can pick another representative of the
+            same orbit (the function never changes); ``inf`` when the choice was not made.
+    """
+
+    model: nn.Module
+    section: str
+    residual: str
+    before: GaugeMetrics
+    after: GaugeMetrics
+    kv_perms: list[torch.Tensor] = field(default_factory=list)
+    q_perms: list[torch.Tensor] = field(default_factory=list)
+    margins: dict[str, float] = field(default_factory=dict)
+
+
+def _check_args(section: str, residual: str) -> None:
+    if section not in SECTIONS:
+        raise GaugeError(f"canonicalize: section={section!r} must be one of {SECTIONS}")
+    if residual not in RESIDUALS:
+        raise GaugeError(f"canonicalize: residual={residual!r} must be one of {RESIDUALS}")
+
+
+@torch.no_grad()
+def fold_lrm_multipliers(model: nn.Module) -> nn.Module:
+    """Fold every :class:`LRMLinear`'s multipliers into its base weight, in place (function unchanged):
+    per block ``W̄ ← diag(r)·W̄·diag(c)``, ``b̄ ← r ⊙ b̄``, ``r ← 1``, ``c ← 1``."""
+    for m in model.modules():
+        if isinstance(m, LRMLinear):
+            start = 0
+            for k, size in enumerate(m.split_sizes):
+                rows = slice(start, start + size)
+                start += size
+                r, c = m.row_mults[k], m.col_mults[k]
+                m.weight[rows] = m.weight[rows] * r[:, None] * c[None, :]
+                if m.bias is not None:
+                    m.bias[rows] = m.bias[rows] * r
+                r.fill_(1.0)
+                c.fill_(1.0)
+    return model
+
+
+@torch.no_grad()
+def canonicalize(
+    model: nn.Module,
+    section: str = "qr",
+    *,
+    residual: str = "fix",
+    sort_heads: bool = True,
+    fold_multipliers: bool = True,
+    inplace: bool = False,
+    rank_rtol: float | None = None,
+) -> CanonicalReport:
+    """Move ``model`` to the canonical representative of its gauge orbit (the function is unchanged).
+
+    Args:
+        model: any model :func:`gaugeopt.find_attention` understands. Work is done in float64
+            and written back in the model's dtype.
+        section: ``"qr"`` (paper 000 Algorithm 1) or ``"balanced"`` (paper 001 Definition 31).
+        residual: ``"fix"`` removes the residual ``O(d_k) × O(d_v)`` (unique form on generic
+            weights); ``"keep"`` leaves it, as the papers do.
+        sort_heads: order heads by the documented rule (module docstring).
+        fold_multipliers: fold LRM multipliers into the weights first (see module docstring).
+        inplace: modify ``model`` instead of a deep copy.
+        rank_rtol: refuse projections with ``σ_min/σ_max`` at or below this (default
+            ``min(1e3·eps, 1e-4)`` for the model's dtype).
+
+    Returns:
+        A :class:`CanonicalReport` (``.model`` is the canonical model).
+
+    Raises:
+        GaugeError: unknown section/residual, or a rank-deficient projection.
+    """
+    _check_args(section, residual)
+    target = model if inplace else copy.deepcopy(model)
+    if fold_multipliers:
+        fold_lrm_multipliers(target)
+    sites = find_attention(target)
+    if rank_rtol is None:
+        dtype = sites[0].q.weight.param.dtype
+        rank_rtol = min(1e3 * torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps, 1e-4)
+    before = canonical_metrics(target)
+    margins = {"spectral_gap": float("inf"), "sign_margin": float("inf"), "sort_gap": float("inf")}
+    kv_perms, q_perms = [], []
+    for site in sites:
+        A = _qk_factor(site, effective_tensors(site), section, residual, rank_rtol, margins)
+        act_qk(site, A)
+        C = _vo_factor(site, effective_tensors(site), residual, rank_rtol, margins)
+        act_vo(site, C)
+        if sort_heads:
+            kv_perm, q_perm = _head_order(site, margins)
+            permute_heads(site, kv_perm, q_perm)
+        else:
+            kv_perm, q_perm = torch.arange(site.h_kv), torch.arange(site.h)
+        kv_perms.append(kv_perm)
+        q_perms.append(q_perm)
+    return CanonicalReport(target, section, residual, before, canonical_metrics(target), kv_perms, q_perms, margins)
