@@ -9,7 +9,7 @@ state after one step.
 Rows: ``gaugefix`` (Q/K, granularity auto), ``proj_lrm_qk`` (diagonal multiplier gauge),
 ``proj_qk`` (full-rotary RoPE planes on LLaMA: closed form; GPT-2: dense Sylvester ``exact`` and
 ``approx``), ``proj_vo_exact`` (dense). Backends: ``triton`` (the fused kernels;
-``triton-cached`` = :class:`gaugeopt.kernels.FusedGaugeFix` reusing its packed tables),
+``triton-cached`` = :class:`gaugeopt.GaugeFixer` reusing its packed tables),
 ``torch`` (the core, eager), ``torch.compile`` (the core compiled; first call excluded).
 
 On CUDA: ``triton.testing.do_bench`` medians, the minimum traffic of each op (every tensor
@@ -46,8 +46,6 @@ sys.path.insert(0, str(ROOT))
 
 import gaugeopt  # noqa: E402
 from gaugeopt.fix.plan import plan_pairs  # noqa: E402
-from gaugeopt.kernels import FusedGaugeFix, fused_vertical  # noqa: E402
-from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference  # noqa: E402
 from gaugeopt.models.gpt import CausalSelfAttention, GPTConfig  # noqa: E402
 from gaugeopt.projection.projector import GaugeProjector  # noqa: E402
 
@@ -95,8 +93,9 @@ def gaugefix_bytes(sites, opt) -> int:
     """Touched Q/K tensors read + written once, each AdamW moment read + written once."""
     total = 0
     for plan in plan_pairs(sites):
-        for side in (plan.a, plan.b):
-            for _, ref in side.members:
+        for _, members in plan.sides():
+            for m in members:
+                ref = m.ref
                 v = ref.get()
                 states = [s for k, s in opt.state[ref.param].items() if torch.is_tensor(s) and s.dim() > 0]
                 total += 2 * nbytes(v) + sum(2 * v.numel() * s.element_size() for s in states)
@@ -166,15 +165,15 @@ def measure(model: str, params: str, layers: int, device: torch.device, bench, r
     compiled = model in compile_models
     # ---- GaugeFix
     gb = gaugefix_bytes(sites, opt)
-    eager = lambda: gauge_fix_reference(None, opt, sites=sites)  # noqa: E731
+    eager = lambda: gaugeopt.gauge_fix(None, opt, sites=sites, backend="torch")  # noqa: E731
     record("gaugefix", "torch", bench(eager), gb, adamw_ms)
     if on_gpu:
         record("gaugefix", "triton",
                bench(lambda: gaugeopt.gauge_fix(None, opt, sites=sites, backend="triton")), gb, adamw_ms,
                "plans, packs and launches each call")
-        fix = FusedGaugeFix(None, opt, sites=sites, backend="triton")
+        fix = gaugeopt.GaugeFixer(None, opt, sites=sites, backend="triton")
         record("gaugefix", "triton-cached", bench(fix), gb, adamw_ms,
-               "FusedGaugeFix: packed once")
+               "GaugeFixer: packed once")
     if compiled:
         cf = torch.compile(eager)
         t0 = time.time()
@@ -196,7 +195,7 @@ def measure(model: str, params: str, layers: int, device: torch.device, bench, r
                    "closed form" if closed else "Sylvester (batched eigh)")
             if on_gpu and closed:
                 record(op, "triton",
-                       bench(lambda: fused_vertical(stack, u, sector, sites=sites, backend="triton")),
+                       bench(lambda tp=GaugeProjector(stack, sectors=(sector,), sites=sites, backend="triton"): tp.vertical(u)),
                        sb, adamw_ms, "packs and launches each call")
             if compiled and closed:
                 cr = torch.compile(ref)

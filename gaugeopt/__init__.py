@@ -21,16 +21,17 @@ from gaugeopt.tools.canonical import canonical_metrics, canonicalize
 from gaugeopt.tools.checkpoint import load_checkpoint, save_checkpoint
 from gaugeopt.tools.counting import gauge_dimension
 from gaugeopt.projection.diagnostics import vertical_fraction, vertical_report
-from gaugeopt.fix.plan import qk_drift, vo_drift
 from gaugeopt.tools.equivalence import equivalent, fingerprint
 from gaugeopt.errors import GaugeError
-from gaugeopt.fix.gaugefix import GaugeFixReport, gauge_fix
+from gaugeopt.fix import GaugeFixer, GaugeFixReport, gauge_fix, qk_drift, vo_drift
 from gaugeopt.structure.lrm import LRMLinear, apply_lrm, lrm_param_groups
 from gaugeopt.tools.merging import merge
 from gaugeopt.integrations.optim import GaugeProjected
 from gaugeopt.projection.projector import GaugeProjector
 from gaugeopt.structure.rope import RopeSpec
-from gaugeopt.structure.site import AttentionSite, find_attention, register_adapter, site_from_linears
+from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.registry import find_attention, register_adapter
+from gaugeopt.structure.linears import site_from_linears
 from gaugeopt.fix.transport import register_state_rule
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "AttentionSite",
     "GaugeError",
     "GaugeFixReport",
+    "GaugeFixer",
     "GaugeProjected",
     "GaugeProjector",
     "LRMLinear",

@@ -1,12 +1,11 @@
 """Closed-form gauge projections in one Triton launch: diagonal multiplier gauges, RoPE planes.
 
-The torch core (:class:`gaugeopt.projection.projector.GaugeProjector`) handles these sectors site by
-site with a dozen tensor ops each (gathers, products, ``index_add``, a batched 2×2 ``eigh``).
-Here one launch covers every layer (DESIGN.md §4, :mod:`gaugeopt.projection.multipliers`,
-:mod:`gaugeopt.projection.dense`):
+The torch projector (:class:`gaugeopt.projection.GaugeProjector`) handles these sectors site by site
+with a dozen tensor ops each (gathers, products, ``index_add``, a batched 2×2 ``eigh``). Here one
+launch covers every layer (``docs/projection.md``):
 
 **Diagonal** (``lrm_qk``: ``r_Q`` vs ``r_K`` per channel or RoPE plane; ``lrm_vo``: ``r_V`` vs
-``c_O`` per channel). One program per layer, two sweeps over its KV groups ``j``::
+``c_O`` per channel). One program per layer, two sweeps over its groups ``j``::
 
     den[j, m] = Σ_{heads, c∈m} a² + Σ b²,     num[j, m] = Σ a·du_a − Σ b·du_b
     t = num / den   (0 where den ≤ rtol · max_{layer} den: the pseudo-inverse rule)
@@ -15,7 +14,7 @@ Here one launch covers every layer (DESIGN.md §4, :mod:`gaugeopt.projection.mul
 (the first sweep only finds the layer's largest ``den``, which the rule needs).
 
 **RoPE planes** (``qk`` when every channel is rotated: LLaMA-style full rotary). One program
-per (layer, KV group, block of planes); with rows ``P, Q`` of each plane over the augmented
+per (layer, group, block of planes); with rows ``P, Q`` of each plane over the augmented
 rows ``[W̄ | b̄]`` of the group's query heads (side A) and key head (side B), twists
 ``α = λ_Q/λ_P`` from the LRM row multipliers (``1`` without them)::
 
@@ -26,31 +25,19 @@ rows ``[W̄ | b̄]`` of the group's query heads (side A) and key head (side B), 
     pass 2  v_A[P] = a A_P + bα A_Q,  v_A[Q] = a A_Q − bα⁻¹ A_P,  v_B[P] = −a B_P + bβ B_Q, ...
 
 Both kernels read the parameters, the vector field ``u`` and write the vertical part (or
-``u − v`` in place, ``subtract=True``) through the descriptor tables of
-:mod:`gaugeopt.kernels.gaugefix_triton`'s design; reductions run in float32 (float64 when any
-input is float64, like the core's compute dtype). Nothing syncs with the host except one
-final flag check (an exact-zero multiplier, which the core refuses too).
-
-Partial rotary (a dense non-rotary block) and the ``vo`` sector need the Sylvester solve and
-stay on the torch path (:mod:`gaugeopt.projection.sylvester`: batched ``eigh`` + matmuls).
+``u − v`` in place, ``subtract=True``) through descriptor tables; reductions run in float32
+(float64 when any input is float64). This module knows tables, not models: the host side that
+builds them from attention sites is :mod:`gaugeopt.projection.triton_backend`.
 """
 
 from __future__ import annotations
-
-from typing import Mapping, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from gaugeopt.errors import GaugeError
-from gaugeopt.structure.rope import plane_index
-from gaugeopt.structure.site import AttentionSite, TensorRef
-from gaugeopt.projection.sylvester import default_rtol
+__all__ = ["SUPPORTED_DTYPES", "launch_diagonal", "launch_planes"]
 
-__all__ = ["FUSED_SECTORS", "vertical_triton", "unsupported_reason"]
-
-FUSED_SECTORS = ("lrm_qk", "lrm_vo", "qk")
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _TILE_ELEMS = 4096  # elements of one (plane, column) tile of the RoPE kernel
@@ -301,192 +288,47 @@ def _plane_kernel(
                     tl.store(optr + oq, vq.to(U_T), mask=xm)
 
 
-# ---------------------------------------------------------------------- host
-def _sides(site: AttentionSite, sector: str):
-    """``((members_a, twist_a, k_a), (members_b, twist_b, k_b))`` with members ``[(role, ref)]``."""
-    if sector == "lrm_qk":
-        return ([("q.row_mult", site.q.row_mult)], None, site.n_rep), ([("k.row_mult", site.k.row_mult)], None, 1)
-    if sector == "lrm_vo":
-        return ([("v.row_mult", site.v.row_mult)], None, 1), ([("o.col_mult", site.o.col_mult)], None, site.n_rep)
-    qa = [("q.weight", site.q.weight)] + ([("q.bias", site.q.bias)] if site.q.bias is not None else [])
-    kb = [("k.weight", site.k.weight)] + ([("k.bias", site.k.bias)] if site.k.bias is not None else [])
-    return (qa, site.q.row_mult, site.n_rep), (kb, site.k.row_mult, 1)
-
-
-def _sector_sites(sites: Sequence[AttentionSite], sector: str) -> list[AttentionSite]:
-    if sector == "lrm_qk":
-        return [s for s in sites if s.q.row_mult is not None and s.k.row_mult is not None]
-    if sector == "lrm_vo":
-        return [s for s in sites if s.v.row_mult is not None and s.o.col_mult is not None]
-    return list(sites)
-
-
-def _refs(sites, sector) -> list[TensorRef]:
-    out = []
-    for site in sites:
-        for members, twist, _ in _sides(site, sector):
-            out += [ref for _, ref in members]
-    return out
-
-
-def param_names(sites: Sequence[AttentionSite], sector: str) -> list[str]:
-    """Names of the parameters ``sector`` moves (each once, site order)."""
-    return list(dict.fromkeys(r.name for r in _refs(_sector_sites(sites, sector), sector)))
-
-
-def unsupported_reason(sites: Sequence[AttentionSite], sector: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
-    """Why the fused kernel cannot project ``sector`` of these sites (``None`` when it can)."""
-    if sector not in FUSED_SECTORS:
-        return f"sector {sector!r} has no closed form (fused sectors: {FUSED_SECTORS}); it needs the Sylvester solve"
-    sites = _sector_sites(sites, sector)
-    if not sites:
-        return f"no site carries the {sector} gauge"
-    if sector == "qk":
-        for s in sites:
-            if not s.rope.active or s.rope.rotary_dim != s.d_k:
-                return (f"{s.name}: the qk sector is a closed form only when every channel is in a RoPE plane "
-                        f"(rope={s.rope.kind}, rotary_dim={s.rope.rotary_dim}, d_k={s.d_k}); the dense block needs the "
-                        "Sylvester solve")
-    pdt, udt, dev = set(), set(), set()
-    for ref in _refs(sites, sector):
-        p = ref.param
-        u = tensors.get(ref.name)
-        for what, t in (("parameter", p), ("tensor", u)):
-            if t is None:
-                continue
-            if type(t).__name__ == "DTensor":
-                return f"the {what} {ref.name} is a DTensor (FSDP2)"
-            if t.dtype not in SUPPORTED_DTYPES:
-                return f"the {what} {ref.name} has dtype {t.dtype}"
-            dev.add(t.device)
-        pdt.add(p.dtype)
-        if u is not None:
-            udt.add(u.dtype)
-    if len(dev) > 1:
-        return f"tensors on several devices {sorted(map(str, dev))}"
-    if len(pdt) > 1 or len(udt) > 1:
-        return f"the {sector} parameters (or the vector field) mix dtypes"
-    return None
-
-
-def _geometry(view: torch.Tensor) -> tuple[int, int, int, int]:
-    """(stride_head, stride_chan, stride_col, n_cols) of a ``(heads, width[, cols])`` view."""
-    if view.dim() == 2:
-        return view.stride(0), view.stride(1), 0, 1
-    return view.stride(0), view.stride(1), view.stride(2), view.shape[2]
-
-
-def vertical_triton(
-    sites: Sequence[AttentionSite],
-    sector: str,
-    tensors: Mapping[str, torch.Tensor],
-    *,
-    rtol: float | None = None,
-    subtract: bool = False,
-    inplace: bool = False,
-) -> dict[str, torch.Tensor]:
-    """The vertical part of ``tensors`` in ``sector`` (or ``u − v`` with ``subtract=True``).
+# ---------------------------------------------------------------------- launchers
+def launch_diagonal(site_rows, desc_rows, slots, rtol: torch.Tensor, *, param_dtype, field_dtype,
+                    subtract: bool, block_k: int, block_c: int) -> None:
+    """One program per layer of the diagonal sectors.
 
     Args:
-        sites: attention sites (:func:`gaugeopt.find_attention`).
-        sector: ``"lrm_qk"``, ``"lrm_vo"`` or ``"qk"`` (full-rotary RoPE planes).
-        tensors: ``{name: u}`` as in ``model.named_parameters()``; missing entries count as zero.
-        rtol: pseudo-inverse threshold (default ``1000·ε`` of the compute dtype).
-        subtract: return the horizontal part ``u − v`` of the sector's tensors instead.
-        inplace: with ``subtract``, write ``u − v`` into the given tensors.
+        site_rows: per layer ``[first desc row, groups, heads per group a, b, width, n_slots, slot offset, 0]``.
+        desc_rows: per layer six rows ``[address, stride_head, stride_chan, 0]``: parameter, field and
+            output of side a, then of side b.
+        slots: slot of each channel, concatenated over layers.
+        rtol: ``(1,)`` tensor in the accumulation dtype (the pseudo-inverse threshold).
+    """
+    device = rtol.device
+    i64 = dict(dtype=torch.int64, device=device)
+    _diag_kernel[(len(site_rows),)](
+        torch.tensor(site_rows, **i64), torch.tensor(desc_rows, **i64),
+        torch.tensor(slots, dtype=torch.int32, device=device), rtol,
+        P_T=_TL[param_dtype], U_T=_TL[field_dtype], ACC_T=_TL[rtol.dtype], SUBTRACT=subtract,
+        BLOCK_K=triton.next_power_of_2(block_k), BLOCK_C=triton.next_power_of_2(block_c),
+    )
+
+
+def plane_units(groups: int, n_planes: int, site_index: int) -> list[list[int]]:
+    """Programs of one layer: ``[site, group, first plane]`` per block of :data:`_BLOCK_P` planes."""
+    return [[site_index, j, m0] for j in range(groups) for m0 in range(0, n_planes, _BLOCK_P)]
+
+
+def launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rtol: torch.Tensor, *, param_dtype,
+                  field_dtype, subtract: bool, has_twist: bool, max_cols: int) -> torch.Tensor:
+    """One program per (layer, group, block of planes) of the RoPE-plane ``qk`` sector.
 
     Returns:
-        ``{name: tensor}`` over the sector's parameters, each in its input's dtype (the
-        parameter's dtype where the entry was missing): what
-        ``GaugeProjector(model, sectors=(sector,)).vertical(u)`` (or ``.project``) returns.
+        ``(n_units,)`` int32 flags: nonzero where a twist (row multiplier) had an exact zero.
     """
-    why = unsupported_reason(sites, sector, tensors)
-    if why is not None:
-        raise GaugeError(f"vertical_triton cannot project these sites: {why}; use the torch path (backend='torch')")
-    sites = _sector_sites(sites, sector)
-    refs = _refs(sites, sector)
-    params = {r.name: r.param for r in refs}
-    dts = {p.dtype for p in params.values()} | {t.dtype for n, t in tensors.items() if n in params}
-    acc = torch.float64 if torch.float64 in dts else torch.float32
-    rtol = default_rtol(acc) if rtol is None else rtol
-    device = next(iter(params.values())).device
-
-    src: dict[str, torch.Tensor] = {}
-    out: dict[str, torch.Tensor] = {}
-    for n, p in params.items():
-        u = tensors.get(n)
-        if u is None:
-            u = torch.zeros_like(p)
-        elif u.stride() != p.stride():  # the kernels address u and out with the parameter's strides
-            u = torch.empty_like(p, dtype=u.dtype).copy_(u)
-        src[n] = u
-        if subtract:
-            out[n] = u if (inplace and u is tensors.get(n)) else u.clone()
-        else:
-            out[n] = torch.zeros_like(u)
-    pdt = next(iter(params.values())).dtype
-    udt = next(iter(src.values())).dtype
-    rt = torch.tensor([rtol], dtype=acc, device=device)
+    device = rtol.device
     i64 = dict(dtype=torch.int64, device=device)
-    if sector in ("lrm_qk", "lrm_vo"):
-        site_rows, desc_rows, slots = [], [], []
-        block_k, block_c = 1, 1
-        for site in sites:
-            (ma, _, ka), (mb, _, kb) = _sides(site, sector)
-            width = site.d_k if sector == "lrm_qk" else site.d_v
-            slot = plane_index(site.rope, width) if sector == "lrm_qk" else torch.arange(width)
-            site_rows.append([len(desc_rows), site.h_kv, ka, kb, width, int(slot.max()) + 1, len(slots), 0])
-            slots += slot.tolist()
-            for (_, ref) in (ma[0], mb[0]):
-                v = ref.get().detach()
-                for t in (v, ref.view(src[ref.name]), ref.view(out[ref.name])):
-                    desc_rows.append([t.data_ptr(), v.stride(0), v.stride(1), 0])
-            block_k = max(block_k, ka, kb)
-            block_c = max(block_c, width)
-        _diag_kernel[(len(sites),)](
-            torch.tensor(site_rows, **i64), torch.tensor(desc_rows, **i64),
-            torch.tensor(slots, dtype=torch.int32, device=device), rt,
-            P_T=_TL[pdt], U_T=_TL[udt], ACC_T=_TL[acc], SUBTRACT=subtract,
-            BLOCK_K=triton.next_power_of_2(block_k), BLOCK_C=triton.next_power_of_2(block_c),
-        )
-    else:
-        unit_rows, site_rows, desc_rows, twist_rows, planes = [], [], [], [], []
-        max_cols, has_twist = 1, False
-        for si, site in enumerate(sites):
-            (ma, ta, ka), (mb, tb, kb) = _sides(site, sector)
-            pl = site.rope.planes(site.d_k)
-            site_rows.append([len(desc_rows), len(ma), len(mb), ka, kb, len(pl), len(planes), 0])
-            planes += [list(pq) for pq in pl]
-            for _, ref in ma + mb:
-                v = ref.get().detach()
-                sh, sc, sx, ncols = _geometry(v)
-                desc_rows.append([v.data_ptr(), ref.view(src[ref.name]).data_ptr(), ref.view(out[ref.name]).data_ptr(),
-                                  sh, sc, sx, ncols, 0])
-                max_cols = max(max_cols, ncols)
-            for tw in (ta, tb):
-                if tw is None:
-                    twist_rows.append([0, 0, 0])
-                else:
-                    tv = tw.get().detach()
-                    twist_rows.append([tv.data_ptr(), tv.stride(0), tv.stride(1)])
-                    has_twist = True
-            unit_rows += [[si, j, m0] for j in range(site.h_kv) for m0 in range(0, len(pl), _BLOCK_P)]
-        flags = torch.zeros(len(unit_rows), dtype=torch.int32, device=device)
-        _plane_kernel[(len(unit_rows),)](
-            torch.tensor(unit_rows, **i64), torch.tensor(site_rows, **i64), torch.tensor(desc_rows, **i64),
-            torch.tensor(twist_rows, **i64), torch.tensor(planes, dtype=torch.int32, device=device), rt, flags,
-            P_T=_TL[pdt], U_T=_TL[udt], ACC_T=_TL[acc], SUBTRACT=subtract, HAS_TWIST=has_twist,
-            BLOCK_P=_BLOCK_P, BLOCK_X=min(triton.next_power_of_2(max_cols), max(1, _TILE_ELEMS // _BLOCK_P)),
-        )
-        if has_twist and bool(flags.any()):  # the one host sync, only with multipliers (as the core checks)
-            raise GaugeError(
-                "a Q/K row multiplier has an exact zero; the gauge generators in W̄ coordinates divide by it. "
-                "Re-initialise that multiplier."
-            )
-    if inplace and subtract:
-        for n, t in out.items():
-            given = tensors.get(n)
-            if given is not None and t is not given:
-                given.copy_(t)
-                out[n] = given
-    return out
+    flags = torch.zeros(len(unit_rows), dtype=torch.int32, device=device)
+    _plane_kernel[(len(unit_rows),)](
+        torch.tensor(unit_rows, **i64), torch.tensor(site_rows, **i64), torch.tensor(desc_rows, **i64),
+        torch.tensor(twist_rows, **i64), torch.tensor(planes, dtype=torch.int32, device=device), rtol, flags,
+        P_T=_TL[param_dtype], U_T=_TL[field_dtype], ACC_T=_TL[rtol.dtype], SUBTRACT=subtract, HAS_TWIST=has_twist,
+        BLOCK_P=_BLOCK_P, BLOCK_X=min(triton.next_power_of_2(max_cols), max(1, _TILE_ELEMS // _BLOCK_P)),
+    )
+    return flags

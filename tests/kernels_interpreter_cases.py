@@ -20,12 +20,14 @@ import torch
 
 import gaugeopt
 import zoo
-from gaugeopt.kernels import FusedGaugeFix, dispatch, fused_project, fused_vertical
+from gaugeopt.fix import GaugeFixer
+from gaugeopt.kernels import dispatch
 from gaugeopt.kernels import gaugefix_triton as gft
 from gaugeopt.kernels import projection_triton as pjt
-from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
-from gaugeopt.kernels.projection_reference import project_reference, vertical_reference
-from kernel_helpers import TOL, assert_same_fields, assert_same_fix, odd_gpt, random_field, train_steps, twin
+from kernel_helpers import (
+    TOL, assert_same_fields, assert_same_fix, fix_reference, odd_gpt, project_with, random_field, train_steps, twin,
+    vertical_with,
+)
 
 DTYPES = [torch.float32, torch.float64]
 F32, F64 = torch.float32, torch.float64
@@ -57,7 +59,7 @@ def _setup(model, opt_cls=torch.optim.AdamW, **opt_kw):
 def _both(model, opt, **kw):
     """(reference model, opt, report), (Triton model, opt, report) from the same starting point."""
     m2, o2 = twin(model, opt)
-    r1 = gauge_fix_reference(model, opt, **kw)
+    r1 = fix_reference(model, opt, **kw)
     r2 = gaugeopt.gauge_fix(m2, o2, backend="triton", **kw)
     assert dispatch.last_decision("gauge_fix").backend == "triton"
     return (model, opt, r1), (m2, o2, r2)
@@ -74,6 +76,20 @@ def test_fused_gauge_fix_matches_the_torch_core(name, lrm, dtype):
     assert r2.max_drift_before > 1e-2 and r2.heads_fixed == r1.heads_fixed > 0
     assert any(not torch.equal(before[n], p) for n, p in m2.named_parameters())
     assert gaugeopt.qk_drift(m2, granularity="auto") < (1e-5 if dtype == torch.float32 else 1e-10)
+
+
+@pytest.mark.parametrize("name,lrm", [("gpt_rope_split_half_gqa", True), ("hf_qwen2", False)])
+def test_second_fix_reports_the_same_heads_on_both_backends(name, lrm):
+    """Right after a float32 fix every factor is 1 up to rounding: a second fix changes no group,
+    and both backends say so with the same rule (the report's integer fields once disagreed)."""
+    model = zoo.build(name, seed=1, lrm=lrm, dtype=F32).model
+    opt = _setup(model)
+    (m1, o1, r1), (m2, o2, r2) = _both(model, opt, vo=True)
+    assert r1.heads_fixed == r2.heads_fixed > 0
+    again_torch = fix_reference(m1, o1, vo=True)
+    again_triton = gaugeopt.gauge_fix(m2, o2, vo=True, backend="triton")
+    assert again_torch.heads_fixed == again_triton.heads_fixed == 0
+    assert_same_fix(m1, o1, again_torch, m2, o2, again_triton, F32)
 
 
 ODD = [  # (lrm, rope, granularity, dtype): the masks do not depend on the dtype, the rounding does
@@ -140,7 +156,7 @@ def test_magnitude_control_and_options(opts):
 
 def test_generic_layout_matches(monkeypatch):
     """The stride-generic tile (no contiguous axis assumed) gives the same results (Conv1D strides)."""
-    monkeypatch.setattr(gft, "_layout_of", lambda descs: gft._GENERIC)
+    monkeypatch.setattr(gft, "_layout_of", lambda tensors: gft._GENERIC)
     model = zoo.build("hf_gpt2", seed=2, dtype=torch.float64).model
     opt = _setup(model)
     (m1, o1, r1), (m2, o2, r2) = _both(model, opt, vo=True)
@@ -151,7 +167,7 @@ def test_one_launch_per_dtype_group(monkeypatch):
     """Two layers in different dtypes: two launches, each over its own layers, still exact."""
     launches = []
     real = gft._run
-    monkeypatch.setattr(gft, "_run", lambda pk, *a: launches.append(len(pk.members)) or real(pk, *a))
+    monkeypatch.setattr(gft, "_run", lambda pk: launches.append(len(pk.members)) or real(pk))
     model = odd_gpt(lrm=True, dtype=torch.float64)
     opt = _setup(model)
     (m1, o1, r1), (m2, o2, r2) = _both(model, opt, vo=True)
@@ -178,9 +194,10 @@ def test_environment_variable_forces_triton(monkeypatch):
     assert dispatch.last_decision("gauge_fix").backend == "torch"  # auto on CPU: the reference
 
 
-def test_docstring_example_runs():
-    failures, tried = doctest.testmod(gft, verbose=False)
-    assert tried > 0 and failures == 0
+@pytest.mark.parametrize("mod", [gft, pjt], ids=["gaugefix_triton", "projection_triton"])
+def test_docstring_examples_run(mod):
+    result = doctest.testmod(mod, verbose=False)
+    assert result.failed == 0
 
 
 # ---------------------------------------------------------------------- closed-form projections
@@ -212,17 +229,17 @@ def test_fused_projection_matches_the_projector(monkeypatch, name, sectors, dtyp
     model = _proj_model(name, dtype)
     u = random_field(model)
     for sector in sectors:
-        ref = vertical_reference(model, u, sector)
-        got = fused_vertical(model, u, sector, backend="triton")
+        ref = vertical_with(model, u, sector)
+        got = vertical_with(model, u, sector, backend="triton")
         assert dispatch.last_decision(f"project_{sector}").backend == "triton"
         assert_same_fields(ref, got, dtype, f"vertical {sector}")
         assert min(float(v.norm()) for v in got.values()) > 1e-3  # not vacuous: every tensor has a vertical part
     if small:
         return  # the subtracting variant is checked on the default tiles (interpreter time)
     sector = sectors[0]
-    hor = fused_project(model, u, sector, backend="triton")
-    assert_same_fields(project_reference(model, u, sector), hor, dtype, f"project {sector}")
-    left = vertical_reference(model, hor, sector)  # the projected field has no vertical part left
+    hor = project_with(model, u, sector, backend="triton")
+    assert_same_fields(project_with(model, u, sector), hor, dtype, f"project {sector}")
+    left = vertical_with(model, hor, sector)  # the projected field has no vertical part left
     assert max(float(v.abs().max()) for v in left.values()) < (1e-4 if dtype == torch.float32 else 1e-11)
 
 
@@ -230,10 +247,10 @@ def test_fused_projection_in_place_and_missing_entries():
     model = _proj_model("odd_full_rope+lrm", torch.float64)
     u = random_field(model, seed=5)
     del u["transformer.h.1.attn.c_attn.weight"]  # a missing entry counts as zero
-    expect = project_reference(model, dict(u), "qk")
+    expect = project_with(model, dict(u), "qk")
     given = {n: t.clone() for n, t in u.items()}
     same = given["transformer.h.0.attn.c_attn.weight"]
-    out = fused_project(model, given, "qk", inplace=True, backend="triton")
+    out = project_with(model, given, "qk", backend="triton", inplace=True)
     assert out["transformer.h.0.attn.c_attn.weight"] is same  # written in place
     assert_same_fields(expect, out, torch.float64, "in place")
 
@@ -244,35 +261,35 @@ def test_zero_multiplier_is_refused_like_the_core():
         model.transformer.h[1].attn.c_attn.row_mults[1][3] = 0.0  # one r_K entry
     u = random_field(model)
     with pytest.raises(gaugeopt.GaugeError, match="exact zero"):
-        vertical_reference(model, u, "qk")
+        vertical_with(model, u, "qk")
     with pytest.raises(gaugeopt.GaugeError, match="exact zero"):
-        fused_vertical(model, u, "qk", backend="triton")
+        vertical_with(model, u, "qk", backend="triton")
 
 
 def test_dense_sectors_are_refused_when_forced_and_fall_back_under_auto():
     model = _proj_model("odd_partial+lrm", torch.float64)  # partial rotary: the dense block needs Sylvester
     u = random_field(model)
     with pytest.raises(gaugeopt.GaugeError, match="Sylvester"):
-        fused_vertical(model, u, "qk", backend="triton")
-    with pytest.raises(gaugeopt.GaugeError, match="no closed form"):
-        fused_vertical(model, u, "vo", backend="triton")
-    got = fused_vertical(model, u, "qk")  # auto on CPU: the projector
+        vertical_with(model, u, "qk", backend="triton")
+    got = vertical_with(model, u, "qk", backend="auto")  # auto on CPU: the torch projector
     assert dispatch.last_decision("project_qk").backend == "torch"
-    assert_same_fields(vertical_reference(model, u, "qk"), got, torch.float64)
+    assert_same_fields(vertical_with(model, u, "qk"), got, torch.float64)
+    # V/O has no closed form: it always runs the Sylvester solve in torch, whatever the backend
+    assert_same_fields(vertical_with(model, u, "vo"), vertical_with(model, u, "vo", backend="triton"), torch.float64)
 
 
 def test_fused_gauge_fix_object_reuses_its_tables_across_steps(monkeypatch):
-    """FusedGaugeFix packs once while storage stays put, re-packs when the state is reallocated."""
+    """GaugeFixer packs once while storage stays put, re-packs when the state is reallocated."""
     packs = []
     real = gft._pack
     monkeypatch.setattr(gft, "_pack", lambda *a: packs.append(1) or real(*a))
     model = odd_gpt(lrm=True)
     opt = _setup(model)
     m2, o2 = twin(model, opt)
-    fix = FusedGaugeFix(m2, o2, vo=True, backend="triton")
-    assert fix.decision.backend == "triton"
+    fix = GaugeFixer(m2, o2, vo=True, backend="triton")
     for step in range(3):
-        r1, r2 = gauge_fix_reference(model, opt, vo=True), fix()
+        r1, r2 = fix_reference(model, opt, vo=True), fix()
+        assert fix.decision.backend == "triton" and r2.backend == "triton"
         assert_same_fix(model, opt, r1, m2, o2, r2, torch.float64)
         train_steps(model, opt, 1, seed=10 + step)
         train_steps(m2, o2, 1, seed=10 + step)
@@ -281,6 +298,6 @@ def test_fused_gauge_fix_object_reuses_its_tables_across_steps(monkeypatch):
     o2.state.clear()
     train_steps(model, opt, 1, seed=20)
     train_steps(m2, o2, 1, seed=20)
-    r1, r2 = gauge_fix_reference(model, opt, vo=True), fix()
+    r1, r2 = fix_reference(model, opt, vo=True), fix()
     assert_same_fix(model, opt, r1, m2, o2, r2, torch.float64)
     assert len(packs) == 2

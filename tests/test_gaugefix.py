@@ -12,8 +12,11 @@ import gaugeopt
 import zoo
 from gaugefix_helpers import add_drift, reference_drift, reference_scales, touched_names
 from gaugeopt import GaugeError
-from gaugeopt.fix.gaugefix import balance_factors, gauge_fix, qk_drift
-from gaugeopt.fix.plan import drift_table, plan_pairs, vo_drift
+from gaugeopt.fix import gauge_fix, qk_drift, vo_drift
+from gaugeopt.fix.balance import balance_factors
+from gaugeopt.fix.drift import drift_table, read_mean_squares
+from gaugeopt.fix.plan import plan_pairs
+from gaugeopt.fix.torch_backend import TorchFix
 
 # Acceptance models: own GPT with and without RoPE, with GQA/MQA, HF GPT-2, HF Llama; LRM and plain.
 MODELS = ["gpt", "gpt_gqa", "gpt_mqa", "gpt_rope_interleaved", "gpt_rope_split_half_gqa",
@@ -161,13 +164,12 @@ def test_vo_negative_control_mismatched_groups():
     add_drift(case.model, True, vo=True)
     model = case.copy()
     plans = plan_pairs(gaugeopt.find_attention(model), kinds=("vo",), vo_granularity="channel")
-    from gaugeopt.fix.plan import read_mean_squares
-    from gaugeopt.fix.gaugefix import apply_factors
     factors = []
     for p in plans:
-        b = balance_factors(read_mean_squares(p.a, p.h_kv)[None], read_mean_squares(p.b, p.h_kv)[None], p.slot, p.n_slots)
+        b = balance_factors(read_mean_squares(p.a, p.members_a)[None], read_mean_squares(p.b, p.members_b)[None],
+                            p.slot, p.n_slots)
         factors.append((b.gauge_a[0], b.gauge_b[0].flip(0), b.magnitude[0]))  # groups swapped on the O side
-    apply_factors(plans, factors)
+    TorchFix(plans, {})._apply(factors)
     assert gaugeopt.relative_change(case.logits(), case.logits(model)) > 1e-3
 
 

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 import gaugeopt
 import zoo
 from gaugefix_helpers import add_drift
-from gaugeopt.fix.gaugefix import gauge_fix, qk_drift
-from gaugeopt.fix.plan import vo_drift
+from gaugeopt.fix import gauge_fix, qk_drift
+from gaugeopt.fix import vo_drift
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.structure.invariance import randomize_parameters
 
@@ -114,12 +114,12 @@ def _shard(model):
     return model
 
 
-def _assert_close_full(sharded, ref, what):
+def _assert_close_full(sharded, ref, what, tol=1e-12):
     from torch.distributed.tensor import DTensor
 
     assert isinstance(sharded, DTensor), what
     full = sharded.full_tensor()
-    assert gaugeopt.relative_change(ref, full) <= 1e-12, what
+    assert gaugeopt.relative_change(ref, full) <= tol, f"{what}: {gaugeopt.relative_change(ref, full):.2e}"
 
 
 def _fsdp_worker(rank: int, port: int) -> None:
@@ -164,10 +164,13 @@ def _fsdp_worker(rank: int, port: int) -> None:
                 st_ref, st_sh = opts[0].state[ref_params[n]], opts[1].state[p]
                 for key in ("exp_avg", "exp_avg_sq"):
                     _assert_close_full(st_sh[key], st_ref[key], f"{name}: {n} {key}")
-            # the next forward/step uses the rescaled sharded master weights
+            # the next forward/step uses the rescaled sharded master weights. FSDP reduce-scatters the
+            # gradients in another summation order than one process, and Adam's 1/sqrt(v) amplifies
+            # that last-bit difference where v is tiny (measured 1.1e-11 on a c_attn bias); a stale
+            # master weight would differ by the drift the fix removed (> 0.3).
             step(batches[2])
             for n, p in sharded.named_parameters():
-                _assert_close_full(p.detach(), ref_params[n].detach(), f"{name}: {n} after the next step")
+                _assert_close_full(p.detach(), ref_params[n].detach(), f"{name}: {n} after the next step", tol=1e-10)
     finally:
         dist.destroy_process_group()
 

@@ -15,7 +15,6 @@ import torch
 
 import gaugeopt
 from gaugeopt.kernels import dispatch
-from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
 from kernel_helpers import assert_same_fix, odd_gpt, train_steps, twin
 
 CPU = torch.device("cpu")
@@ -96,8 +95,8 @@ def test_unsupported_inputs_fall_back_under_auto_and_raise_when_forced(monkeypat
         dispatch.choose("gauge_fix", torch.device("meta"), backend="triton")
 
 
-def test_torch_path_is_the_core_itself():
-    """backend='torch' (and auto on CPU) is gauge_fix, bit for bit."""
+def test_auto_on_cpu_is_the_torch_backend_bit_for_bit():
+    """backend='torch' and auto on CPU run the same torch backend, bit for bit; so does a reused fixer."""
     model = odd_gpt(lrm=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(model, opt)
@@ -105,15 +104,16 @@ def test_torch_path_is_the_core_itself():
     m3, o3 = twin(model, opt)
     r1 = gaugeopt.gauge_fix(model, opt, vo=True)
     r2 = gaugeopt.gauge_fix(m2, o2, vo=True, backend="torch")
-    r3 = gauge_fix_reference(m3, o3, vo=True)
+    r3 = gaugeopt.GaugeFixer(m3, o3, vo=True)()
     for m, o, r in ((m2, o2, r2), (m3, o3, r3)):
         assert_same_fix(model, opt, r1, m, o, r, torch.float64)
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m.parameters()))
+        assert r.backend == "torch"
     assert dispatch.last_decision("gauge_fix").backend == "torch"
 
 
 def test_importing_gaugeopt_and_kernels_does_not_import_triton():
     code = ("import sys, gaugeopt, gaugeopt.kernels; from gaugeopt.kernels import dispatch; "
-            "import gaugeopt.kernels.ops; print('triton' in sys.modules)")
+            "import gaugeopt.fix.triton_backend, gaugeopt.projection.triton_backend; print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -15,10 +15,12 @@ import torch
 import gaugeopt
 
 import zoo
-from gaugeopt.kernels import FusedGaugeFix, dispatch, fused_project, fused_vertical
-from gaugeopt.kernels.gaugefix_reference import gauge_fix_reference
-from gaugeopt.kernels.projection_reference import project_reference, vertical_reference
-from kernel_helpers import TOL, assert_same_fields, assert_same_fix, odd_gpt, random_field, train_steps, twin
+from gaugeopt.fix import GaugeFixer
+from gaugeopt.kernels import dispatch
+from kernel_helpers import (
+    TOL, assert_same_fields, assert_same_fix, fix_reference, odd_gpt, project_with, random_field, train_steps, twin,
+    vertical_with,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +46,7 @@ def test_cuda_float32_matches_the_core_and_auto_picks_triton(name, lrm):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(model, opt)
     m2, o2 = twin(model, opt)
-    r1 = gauge_fix_reference(model, opt, vo=True)
+    r1 = fix_reference(model, opt, vo=True)
     r2 = gaugeopt.gauge_fix(m2, o2, vo=True)  # auto on CUDA
     assert dispatch.last_decision("gauge_fix").backend == "triton", dispatch.explain()
     assert_same_fix(model, opt, r1, m2, o2, r2, torch.float32)
@@ -68,7 +70,7 @@ def test_low_precision_within_one_storage_rounding(lrm, dtype, state_dtype):
     ref_model = copy.deepcopy(model).float()
     ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2, amsgrad=True)
     ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # casts the moments to float32
-    r_ref = gauge_fix_reference(ref_model, ref_opt, vo=True)
+    r_ref = fix_reference(ref_model, ref_opt, vo=True)
     r = gaugeopt.gauge_fix(model, opt, vo=True, backend="triton")
     for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.float(), q, **TOL[dtype], msg=lambda m: f"{n}: {m}")
@@ -88,10 +90,10 @@ def test_fused_gauge_fix_object_on_cuda():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train_steps(model, opt)
     m2, o2 = twin(model, opt)
-    fix = FusedGaugeFix(m2, o2)
-    assert fix.decision.backend == "triton"
+    fix = GaugeFixer(m2, o2)
     for step in range(2):
-        assert_same_fix(model, opt, gauge_fix_reference(model, opt), m2, o2, fix(), torch.float32)
+        assert_same_fix(model, opt, fix_reference(model, opt), m2, o2, fix(), torch.float32)
+        assert fix.decision.backend == "triton"
         train_steps(model, opt, 1, seed=step)
         train_steps(m2, o2, 1, seed=step)
 
@@ -106,8 +108,9 @@ def test_projection_on_cuda(name, sectors, dtype):
     model = _on_cuda(model, dtype)
     u = {n: t.to(CUDA) for n, t in random_field(model).items()}
     for sector in sectors:
-        ref = vertical_reference(model, u, sector)
-        got = fused_vertical(model, u, sector)  # auto on CUDA
+        ref = vertical_with(model, u, sector)
+        got = vertical_with(model, u, sector, backend="auto")  # auto on CUDA
         assert dispatch.last_decision(f"project_{sector}").backend == "triton", dispatch.explain()
         assert_same_fields(ref, got, dtype, f"vertical {sector}")
-        assert_same_fields(project_reference(model, u, sector), fused_project(model, u, sector), dtype, f"project {sector}")
+        assert_same_fields(project_with(model, u, sector), project_with(model, u, sector, backend="auto"), dtype,
+                           f"project {sector}")

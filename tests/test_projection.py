@@ -16,7 +16,7 @@ import projection_helpers as H
 import zoo
 from gaugeopt import GaugeError
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.projection.projector import SECTORS, GaugeProjector, project
+from gaugeopt.projection.projector import SECTORS, GaugeProjector, horizontal
 from gaugeopt.structure.invariance import randomize_parameters
 
 
@@ -324,7 +324,7 @@ def test_inputs_outputs_and_errors():
     for n in proj.param_names():
         assert torch.allclose(w[n], full[n], atol=1e-14)
     # the one-shot function
-    assert torch.allclose(project(model, u)["transformer.h.1.attn.c_proj.weight"], full["transformer.h.1.attn.c_proj.weight"])
+    assert torch.allclose(horizontal(model, u)["transformer.h.1.attn.c_proj.weight"], full["transformer.h.1.attn.c_proj.weight"])
     # float32 fields keep their dtype and are orthogonal to float32 precision
     u32 = {n: t.float() for n, t in u.items()}
     h32 = proj.project(u32)

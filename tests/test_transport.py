@@ -13,7 +13,7 @@ import gaugeopt
 import zoo
 from gaugefix_helpers import add_drift
 from gaugeopt import GaugeError
-from gaugeopt.fix.gaugefix import gauge_fix
+from gaugeopt.fix import gauge_fix
 from gaugeopt.fix.transport import (
     classify_state, register_state_rule, rescale_param, rescale_state, state_rule, storage_factor,
 )
@@ -277,18 +277,20 @@ def test_storage_factor_layout(name):
     case = zoo.build(name)
     site = gaugeopt.find_attention(case.model)[0]
     g = torch.Generator().manual_seed(0)
+    members = {m.role: m for kind in ("qk", "vo") for side in site.pair(kind).sides() for m in side.members("plain")}
     for proj, role in (("q", "weight"), ("k", "weight"), ("k", "bias"), ("o", "weight")):
         ref = getattr(getattr(site, proj), role)
         if ref is None:
             continue
-        full_role = f"{proj}.{role}"
+        member = members[f"{proj}.{role}"]
+        assert member.ref is ref
         heads, width = (site.h, site.d_v) if proj == "o" else (ref.shape[0], ref.shape[1])
         f = torch.rand(heads, width, generator=g, dtype=torch.float64) + 0.5
         p = ref.param
         old = p.detach().clone()
         view_before = ref.view(old).clone()
         with torch.no_grad():
-            rescale_param(p, storage_factor(ref, full_role, f))
+            rescale_param(p, storage_factor(member, f))
         if proj == "o":
             expected = view_before * f[None]
         elif role == "weight":

@@ -1,13 +1,17 @@
 """GaugeFix-LRM: function-preserving rebalancing of the Q/K (and V/O) gauge, with state transport.
 
-* :mod:`.plan` — which tensors form each side of a pair and which channels share a scale;
-  drift metrics;
-* :mod:`.gaugefix` — :func:`gauge_fix` and its report;
-* :mod:`.transport` — optimizer-state transport for diagonal rescales;
-* :mod:`.distributed` — DTensor (FSDP2) helpers.
+* :mod:`.plan` — which tensors form each side of a pair, which channels share a scale, options;
+* :mod:`.drift` — drift and scale product (paper 002 eq. 3);
+* :mod:`.balance` — the factors, a pure function of per-channel mean squares;
+* :mod:`.gaugefix` — :class:`GaugeFixer` and :func:`gauge_fix`: validation, state, the report;
+* :mod:`.torch_backend`, :mod:`.triton_backend` — the two backends that compute the numbers;
+* :mod:`.report` — :class:`GaugeFixReport`;
+* :mod:`.transport` — optimizer-state transport for diagonal rescales (DTensor-aware through
+  :mod:`gaugeopt.distributed`).
 """
 
-from gaugeopt.fix.gaugefix import GaugeFixReport, gauge_fix
-from gaugeopt.fix.plan import qk_drift, vo_drift
+from gaugeopt.fix.drift import qk_drift, vo_drift
+from gaugeopt.fix.gaugefix import GaugeFixer, gauge_fix
+from gaugeopt.fix.report import GaugeFixReport
 
-__all__ = ["GaugeFixReport", "gauge_fix", "qk_drift", "vo_drift"]
+__all__ = ["GaugeFixReport", "GaugeFixer", "gauge_fix", "qk_drift", "vo_drift"]

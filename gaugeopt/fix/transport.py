@@ -58,8 +58,9 @@ from typing import Mapping
 
 import torch
 
-from gaugeopt.fix.distributed import local_factor, local_view
+from gaugeopt.distributed import local_factor, local_view
 from gaugeopt.errors import GaugeError
+from gaugeopt.structure.pair import Member
 from gaugeopt.structure.site import TensorRef
 
 __all__ = [
@@ -69,8 +70,10 @@ __all__ = [
     "rescale_state",
     "classify_state",
     "rescale_param",
+    "rescale_tensor",
     "storage_factor",
     "reduced_ref",
+    "transport_entries",
     "unwrap_optimizer",
 ]
 
@@ -184,19 +187,31 @@ def rescale_state(
     if what == "reset":
         opt.state.pop(param, None)
     elif what == "transported":
-        state, rule = opt.state[param], state_rule(opt)
-        for key in _shaped_keys(state, param):
-            k = rule[key]
-            if k:
-                _scale_(local_view(state[key]), local_factor(factor, state[key]), -k)
+        for _, t, k in transport_entries(opt, param):
+            rescale_tensor(t, factor, -k)
     return what
+
+
+def transport_entries(optimizer, param: torch.Tensor) -> list[tuple[str, torch.Tensor, int]]:
+    """``(key, tensor, k)`` for each state entry of ``param`` that a rescale divides by ``s**k``
+    (``k ≥ 1``), for an optimizer whose state :func:`classify_state` calls ``"transported"``."""
+    opt = unwrap_optimizer(optimizer)
+    state, rule = opt.state.get(param) or {}, state_rule(opt) or {}
+    return [(key, state[key], rule[key]) for key in _shaped_keys(state, param) if rule.get(key)]
 
 
 @torch.no_grad()
 def rescale_param(param: torch.Tensor, factor: torch.Tensor) -> None:
     """``param ← factor ⊙ param`` in place (shard-locally for a DTensor), ``factor`` in storage
     layout and broadcastable against ``param``."""
-    _scale_(local_view(param), local_factor(factor, param), 1)
+    rescale_tensor(param, factor, 1)
+
+
+@torch.no_grad()
+def rescale_tensor(t: torch.Tensor, factor: torch.Tensor, power: int) -> None:
+    """``t ← t · factor**power`` in place (shard-locally for a DTensor), ``factor`` replicated in
+    storage layout; 16-bit tensors are computed in float32 and rounded once."""
+    _scale_(local_view(t), local_factor(factor, t), power)
 
 
 def _scale_(t: torch.Tensor, factor: torch.Tensor, power: int) -> None:
@@ -212,27 +227,28 @@ def _scale_(t: torch.Tensor, factor: torch.Tensor, power: int) -> None:
 
 
 # ---------------------------------------------------------------------- layout helpers
-def reduced_ref(ref: TensorRef, role: str) -> tuple[TensorRef, int | None, tuple[int, ...]]:
-    """The ref's "one value per channel" layout.
+def reduced_ref(member: Member) -> tuple[TensorRef, int | None, tuple[int, ...]]:
+    """The member's "one value per channel" layout.
 
-    A diagonal gauge factor is constant along one axis of a weight: the input axis of a
-    Q/K/V weight (canonical ``(heads, width, d)``, axis 2) or the output axis of the O weight
-    (canonical ``(d, h, d_v)``, axis 0); 1-D tensors (biases, multipliers) have none.
+    A diagonal gauge factor is constant along :attr:`~gaugeopt.structure.pair.Member.broadcast_axis`
+    of a weight (the input axis of a Q/K/V weight, the output axis of the O weight); 1-D tensors
+    (biases, multipliers) have none.
 
     Returns:
         ``(rref, storage_axis, storage_shape)``: ``rref.view(t)`` maps a tensor of
         ``storage_shape`` (the parameter's shape with ``storage_axis`` set to 1) to the
         canonical view with the broadcast axis of size 1.
     """
+    ref = member.ref
     shape = tuple(ref.param.shape)
-    if len(shape) == 1:
+    canon_axis = member.broadcast_axis
+    if len(shape) == 1 or canon_axis is None:
         return ref, None, shape
     if len(shape) != 2:
         raise GaugeError(f"{ref.name}: expected a 1-D or 2-D parameter, got shape {shape}")
-    if role == "o.weight":
-        canon_axis, storage_axis = 0, (1 if ref.transpose else 0)
-    else:
-        canon_axis, storage_axis = len(ref.shape) - 1, (0 if ref.transpose else 1)
+    # the canonical view is storage (transposed for in×out layouts) with rows split into heads:
+    # its last axis is the storage's input axis, its first (O columns: the model width) the output axis
+    storage_axis = (0 if ref.transpose else 1) if canon_axis == len(ref.shape) - 1 else (1 if ref.transpose else 0)
     rshape = list(ref.shape)
     rshape[canon_axis] = 1
     sshape = list(shape)
@@ -240,21 +256,19 @@ def reduced_ref(ref: TensorRef, role: str) -> tuple[TensorRef, int | None, tuple
     return replace(ref, shape=tuple(rshape)), storage_axis, tuple(sshape)
 
 
-def storage_factor(ref: TensorRef, role: str, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Write a canonical per-channel factor into a storage-layout factor for ``ref.param``.
+def storage_factor(member: Member, factor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Write a canonical per-channel factor into a storage-layout factor for ``member.ref.param``.
 
     Args:
-        ref: where the factor applies; ``role`` its place in the site (``"q.weight"``,
-            ``"o.col_mult"``, ...).
-        factor: one value per channel: ``(heads, width)`` for Q/K/V rows, biases and row
-            multipliers; ``(h, d_v)`` for the O columns and ``c_O``.
-        out: an existing storage factor of the same parameter to multiply into (several refs
+        member: where the factor applies.
+        factor: one value per channel, ``(heads, width)`` of the member's side.
+        out: an existing storage factor of the same parameter to multiply into (several members
             can point into one fused parameter); a new one of ones otherwise.
 
     Returns:
         The storage factor (shape of the parameter with the broadcast axis set to 1).
     """
-    rref, _, sshape = reduced_ref(ref, role)
+    rref, _, sshape = reduced_ref(member)
     if out is None:
         out = torch.ones(sshape, dtype=factor.dtype, device=factor.device)
     region = rref.view(out)

@@ -44,11 +44,12 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from gaugeopt.fix.plan import GRANULARITIES, MODES, VO_GRANULARITIES, _check_choice, plan_pairs
+from gaugeopt.fix.drift import drift_table, product_stats, worst
+from gaugeopt.fix.gaugefix import GaugeFixer
+from gaugeopt.fix.plan import MODES, check_choice, check_fix_options
 from gaugeopt.errors import GaugeError
-from gaugeopt.fix.gaugefix import gauge_fix
-from gaugeopt.structure.site import AttentionSite, find_attention
-from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES
+from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.registry import find_attention
 
 __all__ = ["GaugeFix", "GaugeMonitor", "GaugeProjection"]
 
@@ -201,10 +202,8 @@ class GaugeFix(_StepCounter):
         prefix: str = "gauge/",
     ) -> None:
         super().__init__(every, sites, prefix)
-        _check_choice("granularity", granularity, GRANULARITIES)
-        _check_choice("vo_granularity", vo_granularity, VO_GRANULARITIES)
-        _check_choice("mode", mode, MODES)
-        _check_choice("unknown_state", unknown_state, UNKNOWN_STATE_POLICIES)
+        check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
+                          product_decay=product_decay, product_max=product_max)
         self.options = dict(
             granularity=granularity, transport_state=transport_state, vo=vo, vo_granularity=vo_granularity,
             mode=mode, unknown_state=unknown_state, product_decay=product_decay, product_max=product_max,
@@ -212,11 +211,17 @@ class GaugeFix(_StepCounter):
         self.log_per_layer = log_per_layer
         self.fixes = 0
         self.last_report = None
+        self._fixer: GaugeFixer | None = None
 
     def _validate(self, sites: list[AttentionSite]) -> None:
-        o = self.options
-        plan_pairs(sites, kinds=("qk", "vo") if o["vo"] else ("qk",), granularity=o["granularity"],
-                   vo_granularity=o["vo_granularity"], mode=o["mode"])
+        GaugeFixer(None, None, sites=sites, **{**self.options, "transport_state": False})  # plans, refusals
+
+    def _fixer_for(self, optimizer) -> GaugeFixer:
+        """One :class:`~gaugeopt.fix.gaugefix.GaugeFixer` per fit: planned once, kernel tables reused."""
+        want = optimizer if self.options["transport_state"] else None
+        if self._fixer is None or self._fixer.optimizer is not want:
+            self._fixer = GaugeFixer(None, want, sites=self.sites, **self.options)
+        return self._fixer
 
     def _check_conflicts(self, trainer: pl.Trainer) -> None:
         for opt in trainer.optimizers:
@@ -227,7 +232,7 @@ class GaugeFix(_StepCounter):
                 )
 
     def _act(self, optimizer) -> dict[str, float]:
-        report = gauge_fix(None, optimizer if self.options["transport_state"] else None, sites=self.sites, **self.options)
+        report = self._fixer_for(optimizer)()
         self.fixes += 1
         self.last_report = report
         out = report.as_dict(prefix=self.prefix, per_layer=self.log_per_layer)
@@ -246,7 +251,7 @@ class GaugeFix(_StepCounter):
     def apply(self, pl_module: pl.LightningModule | torch.nn.Module, optimizer=None):
         """Run one fix now (for manual loops); returns the :class:`~gaugeopt.fix.gaugefix.GaugeFixReport`."""
         sites = self.sites or find_attention(pl_module)
-        return gauge_fix(None, optimizer if self.options["transport_state"] else None, sites=sites, **self.options)
+        return GaugeFixer(None, optimizer if self.options["transport_state"] else None, sites=sites, **self.options)()
 
 
 class GaugeMonitor(_StepCounter):
@@ -273,7 +278,7 @@ class GaugeMonitor(_StepCounter):
         prefix: str = "gauge/",
     ) -> None:
         super().__init__(every, sites, prefix)
-        _check_choice("mode", mode, MODES)
+        check_choice("mode", mode, MODES)
         self.mode = mode
         self.measure_vertical = vertical_fraction
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -293,12 +298,10 @@ class GaugeMonitor(_StepCounter):
             self._snapshot = {n: p.detach().clone() for n, p in self._params().items()}
 
     def _act(self, optimizer) -> dict[str, float]:
-        from gaugeopt.fix.plan import drift_table
-
         tables = drift_table(None, self.sites, mode=self.mode)
         out = {
-            f"{self.prefix}qk_drift": max(float(t.drift.max()) for t in tables),
-            f"{self.prefix}qk_scale_product": float(torch.cat([t.product.flatten() for t in tables]).mean()),
+            f"{self.prefix}qk_drift": worst(t.drift for t in tables),
+            f"{self.prefix}qk_scale_product": product_stats(t.product for t in tables)[0],
         }
         if self._snapshot is not None:
             from gaugeopt.projection.diagnostics import vertical_fraction
@@ -346,8 +349,8 @@ class GaugeProjection(_StepCounter):
         from gaugeopt.projection.projector import MODES as PROJECTION_MODES
 
         super().__init__(log_every, sites, prefix)
-        _check_choice("mode", mode, PROJECTION_MODES)
-        _check_choice("target", target, ("update", "grad"))
+        check_choice("mode", mode, PROJECTION_MODES)
+        check_choice("target", target, ("update", "grad"))
         self.mode, self.target, self.sectors = mode, target, sectors
         self.projector_kwargs = projector_kwargs
         self.projector = None
@@ -370,7 +373,7 @@ class GaugeProjection(_StepCounter):
                 )
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        from gaugeopt.integrations.optim import snapshot
+        from gaugeopt.projection.step import snapshot
 
         if self.target == "update":
             self._before = snapshot(self.projector, self._module)
@@ -380,13 +383,13 @@ class GaugeProjection(_StepCounter):
         # Lightning evaluates the closure (forward, backward) *inside* optimizer.step, after the
         # step pre-hooks; this hook runs once the gradients exist (accumulated, AMP-unscaled),
         # before clipping and the step.
-        from gaugeopt.integrations.optim import remove_vertical_grad_
+        from gaugeopt.projection.step import remove_vertical_grad_
 
         if self.target == "grad" and optimizer is self._optimizer:
             self._norms = remove_vertical_grad_(self.projector, self._module)
 
     def _post_step(self, optimizer, args, kwargs) -> None:
-        from gaugeopt.integrations.optim import remove_vertical_update_
+        from gaugeopt.projection.step import remove_vertical_update_
 
         if self.target == "update" and self._before is not None:
             self._norms = remove_vertical_update_(self.projector, self._module, self._before)
@@ -394,6 +397,6 @@ class GaugeProjection(_StepCounter):
         super()._post_step(optimizer, args, kwargs)
 
     def _act(self, optimizer) -> dict[str, float]:
-        from gaugeopt.integrations.optim import vertical_fraction_of
+        from gaugeopt.projection.step import vertical_fraction_of
 
         return {f"{self.prefix}vertical_fraction_{self.target}": vertical_fraction_of(self._norms)}

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torchmetrics import Metric
 
-from gaugeopt.fix.plan import drift_table, qk_drift
+from gaugeopt.fix.drift import drift_table, qk_drift
 
 __all__ = ["QKDriftMetric", "ScaleProductMetric", "VerticalFractionMetric"]
 
@@ -115,13 +115,12 @@ class VerticalFractionMetric(Metric):
     ) -> None:
         if model is not None:
             from gaugeopt.projection.projector import GaugeProjector
+            from gaugeopt.projection.step import squared_norms
 
             if self._projector is None or self._projector_model is not model:
                 self._projector, self._projector_model = GaugeProjector(model, self.sectors, "exact"), model
             given = {n: t for n, t in dict(tensors).items() if t is not None}
-            vertical = self._projector.vertical(given)
-            vertical_sq = sum(float(v.double().square().sum()) for v in vertical.values())
-            total_sq = sum(float(t.double().square().sum()) for t in given.values())
+            vertical_sq, total_sq = squared_norms(self._projector.vertical(given), given)
         self.vertical_sq += torch.as_tensor(vertical_sq, dtype=torch.float64).to(self.vertical_sq.device)
         self.total_sq += torch.as_tensor(total_sq, dtype=torch.float64).to(self.total_sq.device)
 

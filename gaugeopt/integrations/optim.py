@@ -54,59 +54,14 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.projection.projector import MODES, GaugeProjector
+from gaugeopt.projection.step import remove_vertical_grad_, remove_vertical_update_, snapshot, vertical_fraction_of
 
 __all__ = ["GaugeProjected"]
 
 _PROJECT = ("update", "grad")
 _STATE_KEY = "gauge_projected"
-
-
-# ---------------------------------------------------------------------- the projected step, shared
-# by GaugeProjected and the Lightning callback gaugeopt.callbacks.GaugeProjection. The squared
-# norms come back as device tensors: no host synchronisation unless someone reads the fraction.
-def snapshot(proj: GaugeProjector, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Copies of the gauge parameters (the point ``θ_old`` an update is projected at)."""
-    params = dict(model.named_parameters())
-    return {n: params[n].detach().clone() for n in proj.param_names()}
-
-
-@torch.no_grad()
-def remove_vertical_update_(proj: GaugeProjector, model: nn.Module, before: dict[str, torch.Tensor]):
-    """``θ ← θ − Π_vert(θ − θ_old)`` at ``θ_old = before``; returns ``(‖Π_vert Δ‖², ‖Δ‖²)``."""
-    params = dict(model.named_parameters())
-    delta = {n: params[n].detach() - before[n] for n in before}
-    vert = proj.vertical(delta, at=before)
-    for n, v in vert.items():
-        params[n].sub_(v.to(params[n].dtype))
-    return _norms(vert, delta)
-
-
-@torch.no_grad()
-def remove_vertical_grad_(proj: GaugeProjector, model: nn.Module):
-    """``g ← g − Π_vert(g)`` for the gauge parameters' gradients; returns ``(‖Π_vert g‖², ‖g‖²)``."""
-    params = dict(model.named_parameters())
-    grads = {n: params[n].grad for n in proj.param_names()}
-    vert = proj.vertical(grads)
-    for n, v in vert.items():
-        p = params[n]
-        if p.grad is None:
-            p.grad = -v.to(p.dtype)
-        else:
-            p.grad.sub_(v.to(p.grad.dtype))
-    return _norms(vert, grads)
-
-
-def _norms(vert: dict, field: dict):
-    tot = sum(t.detach().double().square().sum() for t in field.values() if t is not None)
-    v = sum(t.double().square().sum() for t in vert.values())
-    return v, tot
-
-
-def vertical_fraction_of(norms) -> float:
-    """``sqrt(v / tot)`` from the ``(v, tot)`` squared norms the functions above return."""
-    v, tot = (float(x) for x in norms)
-    return math.sqrt(v / tot) if tot > 0 else 0.0
 
 
 class GaugeProjected(torch.optim.Optimizer):
@@ -169,6 +124,7 @@ class GaugeProjected(torch.optim.Optimizer):
         self._fixes = 0
         self._last = None
         self._projector: GaugeProjector | None = None
+        self._fixer: GaugeFixer | None = None
         self._check_coverage()
 
     # ------------------------------------------------------------------ torch.optim.Optimizer plumbing
@@ -258,14 +214,19 @@ class GaugeProjected(torch.optim.Optimizer):
         """``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient) over the gauge parameters."""
         return math.nan if self._last is None else vertical_fraction_of(self._last)
 
+    @property
+    def fixer(self) -> GaugeFixer:
+        """The :class:`~gaugeopt.fix.gaugefix.GaugeFixer` ``fix`` calls (built on first use)."""
+        if self._fixer is None:
+            kwargs = dict(self.fix_kwargs)
+            if self.sites is not None:
+                kwargs.setdefault("sites", self.sites)
+            self._fixer = GaugeFixer(self.model, self.optimizer, **kwargs)
+        return self._fixer
+
     def fix(self):
         """Run ``gaugeopt.gauge_fix(model, optimizer=inner, **fix_kwargs)`` now; returns its report."""
-        from gaugeopt.fix.gaugefix import gauge_fix  # GaugeFix-LRM lives in its own module
-
-        kwargs = dict(self.fix_kwargs)
-        if self.sites is not None:
-            kwargs.setdefault("sites", self.sites)
-        report = gauge_fix(self.model, optimizer=self.optimizer, **kwargs)
+        report = self.fixer()
         self._fixes += 1
         return report
 
@@ -340,6 +301,7 @@ class GaugeProjected(torch.optim.Optimizer):
         self.__dict__.update(state)
         self._init_hooks()
         self._projector = None
+        self._fixer = None
 
     def __repr__(self) -> str:
         inner = "\n".join("    " + line for line in repr(self.optimizer).splitlines())

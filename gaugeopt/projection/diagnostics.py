@@ -45,6 +45,7 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.projection.projector import GaugeProjector, Tensors
+from gaugeopt.projection.step import squared_norms, vertical_fraction_of
 from gaugeopt.projection.sylvester import psd_solve
 
 __all__ = [
@@ -91,12 +92,11 @@ def vertical_fraction(
         The fraction in ``[0, 1]`` (0 for a zero field).
     """
     proj = _projector(model, projector, sectors, "exact", projector_kwargs)
-    given, _ = proj._as_dict(tensors)
-    total = _sq(given)
-    if total == 0:
+    given, _ = proj._as_dict(tensors)  # validates names and shapes, also of an all-zero field
+    norms = squared_norms({}, given)
+    if float(norms[1]) == 0:
         return 0.0
-    dec = proj.decompose(given, at=at)
-    return math.sqrt(_sq(dec.vertical) / total)
+    return vertical_fraction_of(squared_norms(proj.decompose(given, at=at).vertical, given))
 
 
 @dataclass

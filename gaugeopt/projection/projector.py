@@ -80,13 +80,15 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.kernels import dispatch
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.projection.multipliers import DiagonalSector, InternalSector
 from gaugeopt.projection.dense import DenseSector
-from gaugeopt.structure.site import AttentionSite, TensorRef, find_attention
+from gaugeopt.structure.site import AttentionSite, TensorRef
+from gaugeopt.structure.registry import find_attention
 from gaugeopt.projection.sylvester import default_rtol
 
-__all__ = ["SECTORS", "MODES", "GaugeProjector", "Decomposition", "project"]
+__all__ = ["SECTORS", "MODES", "GaugeProjector", "Decomposition", "horizontal"]
 
 SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal")
 MODES = ("exact", "approx")
@@ -180,6 +182,11 @@ class GaugeProjector:
             default ``cg_tol`` is ``1e3·ε``.
         joint_tol, joint_maxiter: stopping rule of the alternating joint projection (only
             when ``lrm_internal`` is combined with another sector); default ``joint_tol`` ``1e3·ε``.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the closed-form sectors (``lrm_qk``,
+            ``lrm_vo``, ``qk`` of full-rotary RoPE layers) in :meth:`vertical` and :meth:`project`:
+            ``"auto"`` runs the fused Triton kernel on CUDA tensors (:mod:`gaugeopt.kernels.dispatch`,
+            ``GAUGEOPT_BACKEND``); dense sectors, joint projections, ``at=``, an explicit ``dtype``
+            and :meth:`decompose` always run in torch.
     """
 
     def __init__(
@@ -195,7 +202,10 @@ class GaugeProjector:
         cg_maxiter: int = 200,
         joint_tol: float | None = None,
         joint_maxiter: int = 500,
+        backend: str = "auto",
     ) -> None:
+        dispatch.requested_backend(backend)  # validates the argument and GAUGEOPT_BACKEND now
+        self.backend = backend
         if mode not in MODES:
             raise GaugeError(f"GaugeProjector: mode={mode!r} is not one of {MODES}")
         self.model, self.mode = model, mode
@@ -281,6 +291,7 @@ class GaugeProjector:
 
     # ------------------------------------------------------------------ input handling
     def _as_dict(self, tensors: Tensors) -> tuple[dict[str, torch.Tensor | None], str]:
+        """``{name: tensor}`` and the input kind (``"dict"``/``"list"``); checks names and shapes."""
         if isinstance(tensors, Mapping):
             unknown = [k for k in tensors if k not in self._params]
             if unknown:
@@ -288,15 +299,23 @@ class GaugeProjector:
                     f"tensors has names that are not parameters of the model: {unknown[:5]}; "
                     "use the names of model.named_parameters()"
                 )
-            return dict(tensors), "dict"
-        if isinstance(tensors, (list, tuple)):
+            given, kind = dict(tensors), "dict"
+        elif isinstance(tensors, (list, tuple)):
             if len(tensors) != len(self._order):
                 raise GaugeError(
                     f"tensors is a sequence of length {len(tensors)}; a list must align with "
                     f"model.named_parameters() ({len(self._order)} entries), or pass a {{name: tensor}} dict"
                 )
-            return dict(zip(self._order, tensors)), "list"
-        raise GaugeError(f"tensors must be a {{name: tensor}} mapping or a list aligned with named_parameters(), got {type(tensors).__name__}")
+            given, kind = dict(zip(self._order, tensors)), "list"
+        else:
+            raise GaugeError(
+                f"tensors must be a {{name: tensor}} mapping or a list aligned with named_parameters(), "
+                f"got {type(tensors).__name__}"
+            )
+        for n, t in given.items():
+            if t is not None and tuple(t.shape) != tuple(self._params[n].shape):
+                raise GaugeError(f"tensors[{n!r}] has shape {tuple(t.shape)}, the parameter has {tuple(self._params[n].shape)}")
+        return given, kind
 
     def _compute_dtype(self, given: dict) -> torch.dtype:
         if self.dtype is not None:
@@ -305,9 +324,6 @@ class GaugeProjector:
         return torch.float64 if torch.float64 in dts else torch.float32
 
     def _work(self, given: dict, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        for n, t in given.items():
-            if t is not None and tuple(t.shape) != tuple(self._params[n].shape):
-                raise GaugeError(f"tensors[{n!r}] has shape {tuple(t.shape)}, the parameter has {tuple(self._params[n].shape)}")
         work = {}
         for n in names:
             p = self._params[n]
@@ -467,12 +483,41 @@ class GaugeProjector:
         vert = unflat(axpy(1.0, a1, a2))
         return vert, {"joint_iterations": iters, "joint_residual": res}
 
+    # ------------------------------------------------------------------ kernel routing
+    def _route(self, given: dict, secs: tuple[str, ...], at) -> tuple[list[str], tuple[str, ...]]:
+        """Split ``secs`` into the sectors the fused kernel projects and the rest (torch).
+
+        Only when each sector is projected on its own (no ``lrm_internal``: the closed-form sectors
+        touch disjoint entries), at the model's own weights and in the inputs' dtype."""
+        from gaugeopt.projection.triton_backend import FUSED_SECTORS, unsupported_reason
+
+        if at is not None or self.dtype is not None or any(s in _OVERLAPPING for s in secs):
+            return [], secs
+        fused = []
+        for s in secs:
+            if s not in FUSED_SECTORS:
+                continue
+            d = dispatch.choose(f"project_{s}", self._device, backend=self.backend, module="projection_triton",
+                                unsupported=lambda s=s: unsupported_reason(self.sites, s, given))
+            if d.backend == "triton":
+                fused.append(s)
+        return fused, tuple(s for s in secs if s not in fused)
+
     # ------------------------------------------------------------------ public API
     def vertical(self, tensors: Tensors, *, sectors: Sequence[str] | None = None, at=None) -> dict[str, torch.Tensor]:
         """``{name: u_vert}`` over the sectors' parameters, in each input's dtype (float64 if absent)."""
         given, _ = self._as_dict(tensors)
-        dec = self.decompose(given, sectors=sectors, at=at)
-        return {n: v.to(self._out_dtype(given, n)) for n, v in dec.vertical.items()}
+        fused, rest = self._route(given, self._resolve(sectors), at)
+        out: dict[str, torch.Tensor] = {}
+        if rest:
+            dec = self.decompose(given, sectors=rest, at=at)
+            out = {n: v.to(self._out_dtype(given, n)) for n, v in dec.vertical.items()}
+        if fused:
+            from gaugeopt.projection.triton_backend import vertical_triton
+
+            for s in fused:
+                out.update(vertical_triton(self.sites, s, given, rtol=self.rtol))
+        return out
 
     def _out_dtype(self, given, n) -> torch.dtype:
         t = given.get(n)
@@ -488,16 +533,23 @@ class GaugeProjector:
         (entries that were missing are created in the returned container only).
         """
         given, kind = self._as_dict(tensors)
-        dec = self.decompose(given, sectors=sectors, at=at)
+        fused, rest = self._route(given, self._resolve(sectors), at)
         result = dict(given)
-        for n, v in dec.vertical.items():
-            t = given.get(n)
-            if t is None:
-                result[n] = (-v).to(self._params[n].dtype)
-            elif inplace:
-                t.sub_(v.to(t.dtype))
-            else:
-                result[n] = dec.horizontal[n].to(t.dtype)
+        if rest:
+            dec = self.decompose(given, sectors=rest, at=at)
+            for n, v in dec.vertical.items():
+                t = given.get(n)
+                if t is None:
+                    result[n] = (-v).to(self._params[n].dtype)
+                elif inplace:
+                    t.sub_(v.to(t.dtype))
+                else:
+                    result[n] = dec.horizontal[n].to(t.dtype)
+        if fused:
+            from gaugeopt.projection.triton_backend import vertical_triton
+
+            for s in fused:
+                result.update(vertical_triton(self.sites, s, given, rtol=self.rtol, subtract=True, inplace=inplace))
         if kind == "list":
             return [result.get(n) for n in self._order]
         return result
@@ -517,7 +569,7 @@ class GaugeProjector:
                 yield label, {n: t for n, t in store.items() if bool(t.any())}
 
 
-def project(
+def horizontal(
     model: nn.Module,
     tensors: Tensors,
     *,
@@ -530,10 +582,10 @@ def project(
     Example:
         >>> import torch
         >>> from gaugeopt.models import GPT, GPTConfig
-        >>> from gaugeopt.projection.projector import project
+        >>> from gaugeopt.projection.projector import horizontal
         >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8))
         >>> grads = [torch.randn_like(p) for p in model.parameters()]
-        >>> len(project(model, grads)) == len(list(model.parameters()))
+        >>> len(horizontal(model, grads)) == len(list(model.parameters()))
         True
     """
     return GaugeProjector(model, sectors, mode, **kwargs).project(tensors)

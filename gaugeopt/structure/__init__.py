@@ -1,21 +1,18 @@
 """Where a model's attention lives and how its gauge group acts on it.
 
-* :mod:`.site` — :class:`TensorRef`, :class:`Projection`, :class:`AttentionSite`, the adapter
-  registry and :func:`find_attention`;
+* :mod:`.site` — :class:`TensorRef`, :class:`Projection`, :class:`AttentionSite`: one record per
+  attention layer, with the canonical layouts every gauge computation reads;
+* :mod:`.registry` — the adapter registry and :func:`find_attention`;
+* :mod:`.linears` — building blocks for adapters (linear-like modules, fused row slices);
 * :mod:`.rope` — rotation planes and the RoPE commutant;
 * :mod:`.lrm` — learnable multipliers (:class:`LRMLinear`, :func:`apply_lrm`);
 * :mod:`.actions` — finite gauge actions, random group elements, invalid controls;
 * :mod:`.adapters` — the built-in adapters.
 """
 
+from gaugeopt.structure.linears import site_from_linears
+from gaugeopt.structure.registry import find_attention, register_adapter
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
-from gaugeopt.structure.site import (
-    AttentionSite,
-    Projection,
-    TensorRef,
-    find_attention,
-    register_adapter,
-    site_from_linears,
-)
+from gaugeopt.structure.site import AttentionSite, Projection, TensorRef
 
 __all__ = ["AttentionSite", "NO_ROPE", "Projection", "RopeSpec", "TensorRef", "find_attention", "register_adapter", "site_from_linears"]

@@ -41,7 +41,8 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.linalg import random_well_conditioned
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant
-from gaugeopt.structure.site import AttentionSite, find_attention
+from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.registry import find_attention
 
 __all__ = [
     "act_qk",

@@ -26,7 +26,7 @@ import torch.nn as nn
 from gaugeopt.structure.actions import INVALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.site import find_attention
+from gaugeopt.structure.registry import find_attention
 
 __all__ = ["randomize_parameters", "check_invariance"]
 

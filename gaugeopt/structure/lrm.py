@@ -165,7 +165,7 @@ def apply_lrm(
     Returns:
         ``model``.
     """
-    from gaugeopt.structure.site import find_attention
+    from gaugeopt.structure.registry import find_attention
 
     if is_lrm(model):
         raise GaugeError("apply_lrm: the model already contains LRMLinear layers; convert it only once")
@@ -204,7 +204,7 @@ def qk_multiplier_names(model: nn.Module, sites=None, *, which: str = "rows") ->
     ``which="rows"`` (default) gives ``r_Q`` and ``r_K``, the pair the Q/K gauge rescales;
     ``"all"`` adds the column multipliers ``c_Q``, ``c_K`` of the same projections.
     """
-    from gaugeopt.structure.site import find_attention
+    from gaugeopt.structure.registry import find_attention
 
     if which not in ("rows", "all"):
         raise GaugeError(f"which={which!r} must be 'rows' or 'all'")

@@ -82,7 +82,8 @@ import torch.nn as nn
 from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.site import AttentionSite, find_attention
+from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.registry import find_attention
 
 __all__ = [
     "SECTIONS", "RESIDUALS", "GaugeMetrics", "CanonicalReport", "canonicalize", "canonical_metrics",

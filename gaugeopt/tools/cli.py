@@ -177,7 +177,7 @@ def _attention_outputs(model, sites, run):
 def _cmd_verify(args) -> int:
     from gaugeopt.structure.actions import INVALID_KINDS, VALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change
     from gaugeopt.tools.checkpoint import forward_logits
-    from gaugeopt.structure.site import find_attention
+    from gaugeopt.structure.registry import find_attention
 
     if args.trials < 1:
         raise GaugeError(f"--trials must be at least 1, got {args.trials}")

@@ -75,7 +75,7 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
     ``config.json`` as a dict, for ``model_type`` gpt2, llama, mistral or qwen2.
     """
     if isinstance(model_or_config, nn.Module):
-        from gaugeopt.structure.site import find_attention
+        from gaugeopt.structure.registry import find_attention
 
         return [LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope) for s in find_attention(model_or_config)]
     cfg = model_or_config

@@ -75,7 +75,8 @@ import torch.nn as nn
 from gaugeopt.tools.canonical import effective_tensors
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.site import AttentionSite, find_attention
+from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.registry import find_attention
 
 __all__ = [
     "Fingerprint",

@@ -50,7 +50,8 @@ from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
 from gaugeopt.tools.canonical import _stack_outputs, _stack_queries, canonicalize, effective_tensors
 from gaugeopt.tools.equivalence import _aug, match_heads
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.site import AttentionSite, find_attention
+from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.registry import find_attention
 
 __all__ = ["LayerAlignment", "MergeResult", "align", "average", "merge", "attention_distance"]
 

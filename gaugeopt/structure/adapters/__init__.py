@@ -17,7 +17,7 @@ Hugging Face classes are matched by their import path, so gaugeopt never imports
 
 from __future__ import annotations
 
-from gaugeopt.structure.site import register_adapter, register_named_adapter
+from gaugeopt.structure.registry import register_adapter, register_named_adapter
 from gaugeopt.structure.adapters.gpt import adapt_gpt
 from gaugeopt.structure.adapters.hf import adapt_hf_gpt2, adapt_hf_llama_like
 from gaugeopt.structure.adapters.torch_mha import adapt_mha

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch.nn as nn
 
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
-from gaugeopt.structure.site import AttentionSite, fused_rows, projection_refs
+from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.linears import fused_rows, projection_refs
 from gaugeopt.structure.adapters.common import refuse, require_stock_forward
 
 

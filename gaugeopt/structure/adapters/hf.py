@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.rope import RopeSpec
-from gaugeopt.structure.site import AttentionSite, fused_rows, projection_refs
+from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.linears import fused_rows, projection_refs
 from gaugeopt.structure.adapters.common import refuse, require_stock_forward
 
 

@@ -23,7 +23,7 @@ rank-dependent reduction, so the ranks stay bit-identical.
 
 Example (single process: the helpers are the identity on plain tensors):
     >>> import torch
-    >>> from gaugeopt.fix.distributed import full, local_factor, local_view
+    >>> from gaugeopt.distributed import full, local_factor, local_view
     >>> w = torch.ones(4, 3)
     >>> local_view(w).mul_(local_factor(torch.tensor([[1.0], [2.0], [3.0], [4.0]]), w)).sum().item()
     30.0

@@ -1,0 +1,191 @@
+"""Gauge drift: how far the two sides of a pair have drifted apart, and their scale product.
+
+Paper 002 (eq. 3) measures how far the Q/K gauge has wandered by the *multiplicative drift*
+
+    drift = max over layers and heads of |log(s_Q / s_K)|,   s = RMS(r[head])
+
+with ``r_Q``, ``r_K`` the LRM row multipliers of a head. The gauge-invariant companion is the
+*scale product* ``s_Q·s_K`` (what weight decay shrinks and what grows without it). This module
+computes both, per layer, KV group and slot (:mod:`gaugeopt.fix.plan`), for Q/K and V/O
+(``r_V`` rows vs ``c_O`` columns), with multipliers or on the stored rows (``mode``).
+
+**GQA / MQA.** The Q/K gauge of a KV group is shared by the group's query heads, so scales are
+per KV group: ``s_Q[j]`` is the RMS over all query heads of group ``j`` (all their multipliers,
+or all their rows) and ``s_K[j] = RMS(r_K[j])``. A "head" in these metrics is a KV group.
+
+Slot drift is ``|log((s_a + ε)/(s_b + ε))|`` (ε as in the fix, eq. 4, so that an all-zero slot
+gives a finite number; for ``s ≫ ε`` it is eq. 3). :func:`read_mean_squares` reads one mean
+square per channel from the current values (for stored rows the mean over the whole augmented
+row ``[W[c, :] | b[c]]``), correct for FSDP2-sharded DTensors.
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.fix.drift import drift_table
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)))
+    >>> gaugeopt.qk_drift(model)
+    0.0
+    >>> with torch.no_grad(): _ = model.transformer.h[0].attn.c_attn.row_mults[0].mul_(2.0)  # r_Q ← 2 r_Q
+    >>> round(gaugeopt.qk_drift(model), 4)  # log 2
+    0.6931
+    >>> [round(float(t.drift.max()), 4) for t in drift_table(model)]
+    [0.6931, 0.0]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.distributed import full
+from gaugeopt.fix.plan import PairPlan, check_fix_options, plan_pairs
+from gaugeopt.fix.transport import reduced_ref
+from gaugeopt.structure.pair import Member, PairSide
+from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure.site import AttentionSite
+
+__all__ = [
+    "read_mean_squares",
+    "slot_rms",
+    "log_ratio",
+    "worst",
+    "product_stats",
+    "PairScales",
+    "drift_table",
+    "qk_drift",
+    "vo_drift",
+]
+
+
+@torch.no_grad()
+def read_mean_squares(side: PairSide, members: Sequence[Member], dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Mean square of each channel of ``side``: ``(groups, repeat, width)``, replicated on every rank.
+
+    For a multiplier it is ``r²``; for stored rows the mean of the squares of the whole
+    augmented row ``[W[c, :] | b[c]]`` (or O column). Computed in at least float32.
+    """
+    total, length = None, 0
+    for member in members:
+        p = member.ref.param.detach()
+        cdt = dtype or torch.promote_types(p.dtype, torch.float32)
+        rref, axis, _ = reduced_ref(member)
+        x = p.to(cdt)
+        if axis is None:
+            sq = full(x * x)
+            length += 1
+        else:
+            sq = full((x * x).sum(dim=axis, keepdim=True))
+            length += p.shape[axis]
+        v = rref.view(sq).reshape(side.heads, -1)
+        total = v if total is None else total + v
+    return side.grouped(total / length)
+
+
+def slot_rms(ms: torch.Tensor, slot: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """RMS per slot: ``ms: (..., n, width)`` mean squares → ``(..., n_slots)``, averaging over
+    the ``n`` heads of a group and the channels of each slot (all rows have equal length)."""
+    onehot = torch.nn.functional.one_hot(slot.to(ms.device), n_slots).to(ms.dtype)  # (width, n_slots)
+    count = onehot.sum(0) * ms.shape[-2]
+    return ((ms.sum(-2) @ onehot) / count).sqrt()
+
+
+def log_ratio(s_a: torch.Tensor, s_b: torch.Tensor, eps: float) -> torch.Tensor:
+    """Slot drift ``|log((s_a + ε)/(s_b + ε))|`` (paper 002 eq. 3 with eq. 4's ε)."""
+    return ((s_a + eps) / (s_b + eps)).log().abs()
+
+
+def worst(values: Iterable[torch.Tensor]) -> float:
+    """The largest entry over several tensors (``0.0`` when there are none); one host sync."""
+    vals = [v.reshape(-1).max() for v in values]
+    return float(torch.stack(vals).max()) if vals else 0.0
+
+
+def product_stats(products: Iterable[torch.Tensor]) -> tuple[float, float]:
+    """``(mean, max)`` of the scale products over every slot of every layer; one host sync."""
+    flat = torch.cat([p.reshape(-1) for p in products])
+    return tuple(torch.stack([flat.mean(), flat.max()]).tolist())
+
+
+def plan_scales(plan: PairPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s_a, s_b)``, each ``(groups, n_slots)``, of one plan at the current values."""
+    s_a = slot_rms(read_mean_squares(plan.a, plan.members_a), plan.slot, plan.n_slots)
+    s_b = slot_rms(read_mean_squares(plan.b, plan.members_b), plan.slot, plan.n_slots)
+    return s_a, s_b
+
+
+@dataclass
+class PairScales:
+    """Scales of one gauge of one layer at one granularity (tensors ``(h_kv, n_slots)``).
+
+    Attributes:
+        name: site name; ``layer``: its index; ``kind``: ``"qk"`` or ``"vo"``.
+        s_a, s_b: ``s_Q, s_K`` (or ``s_V, s_O``).
+        drift: ``|log((s_a + ε)/(s_b + ε))|``.
+        product: the gauge-invariant ``s_a·s_b``.
+    """
+
+    name: str
+    layer: int
+    kind: str
+    mode: str
+    granularity: str
+    s_a: torch.Tensor
+    s_b: torch.Tensor
+    drift: torch.Tensor
+    product: torch.Tensor
+
+
+def drift_table(
+    model: nn.Module | None,
+    sites: Sequence[AttentionSite] | None = None,
+    *,
+    kinds: Sequence[str] = ("qk",),
+    granularity: str = "head",
+    vo_granularity: str = "head",
+    mode: str = "auto",
+    eps: float = 1e-12,
+) -> list[PairScales]:
+    """Per-layer, per-head (KV group) and per-slot scales, drift and scale product."""
+    check_fix_options(eps=eps)
+    sites = find_attention(model) if sites is None else list(sites)
+    out = []
+    for plan in plan_pairs(sites, kinds=kinds, granularity=granularity, vo_granularity=vo_granularity, mode=mode):
+        s_a, s_b = plan_scales(plan)
+        out.append(PairScales(plan.site.name, plan.site.layer_index, plan.kind, plan.mode, plan.granularity,
+                              s_a, s_b, log_ratio(s_a, s_b, eps), s_a * s_b))
+    return out
+
+
+def qk_drift(
+    model: nn.Module | None,
+    sites: Sequence[AttentionSite] | None = None,
+    *,
+    granularity: str = "head",
+    mode: str = "auto",
+    eps: float = 1e-12,
+) -> float:
+    """Paper 002 eq. 3: ``max over layers and heads of |log(s_Q/s_K)|`` (KV groups under GQA).
+
+    Args:
+        model: the model (ignored when ``sites`` is given).
+        granularity: ``"head"`` (the paper), ``"channel"`` or ``"plane"``: the max over those
+            slots instead (``"auto"`` = plane under RoPE, head otherwise).
+        mode: ``"auto"`` (multipliers where the model has them, else the W rows and biases),
+            ``"lrm"`` or ``"plain"``.
+    """
+    return worst(t.drift for t in drift_table(model, sites, granularity=granularity, mode=mode, eps=eps))
+
+
+def vo_drift(
+    model: nn.Module | None,
+    sites: Sequence[AttentionSite] | None = None,
+    *,
+    granularity: str = "head",
+    mode: str = "auto",
+    eps: float = 1e-12,
+) -> float:
+    """The V/O analogue of :func:`qk_drift`: ``max |log(s_V/s_O)|`` (``r_V`` rows vs ``c_O`` columns)."""
+    return worst(t.drift for t in drift_table(model, sites, kinds=("vo",), vo_granularity=granularity, mode=mode, eps=eps))

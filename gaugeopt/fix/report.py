@@ -1,0 +1,106 @@
+"""What a gauge fix did: :class:`GaugeFixReport`, assembled the same way whatever backend ran.
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)))
+    >>> with torch.no_grad(): _ = model.transformer.h[1].attn.c_attn.row_mults[1].mul_(3.0)  # r_K ← 3 r_K
+    >>> report = gaugeopt.gauge_fix(model)
+    >>> report.heads_fixed, report.per_layer("qk", "drift_before") == [0.0, report.max_drift_before]
+    (4, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gaugeopt.fix.drift import product_stats, worst
+
+__all__ = ["PairRecord", "GaugeFixReport"]
+
+
+@dataclass
+class PairRecord:
+    """What the fix did to one gauge of one layer (tensors ``(h_kv, n_slots)``).
+
+    ``heads_fixed`` counts the query heads (Q/K) or KV heads (V/O) whose factor differed from 1
+    beyond rounding in at least one slot (:func:`gaugeopt.fix.balance.changed_groups`).
+    """
+
+    name: str
+    layer: int
+    kind: str
+    mode: str
+    granularity: str
+    drift_before: torch.Tensor
+    drift_after: torch.Tensor
+    product_before: torch.Tensor
+    product_after: torch.Tensor
+    heads_fixed: int
+
+
+@dataclass
+class GaugeFixReport:
+    """Result of :func:`gaugeopt.gauge_fix`.
+
+    Attributes:
+        pairs: one :class:`PairRecord` per layer and gauge (``"qk"``, then ``"vo"`` if asked).
+        transported, reset, left: names of the parameters whose optimizer state was transported,
+            reset, or left stale (``unknown_state``); parameters without state are in none.
+        backend: ``"torch"`` or ``"triton"``: which implementation computed the numbers.
+    """
+
+    pairs: list[PairRecord] = field(default_factory=list)
+    transported: list[str] = field(default_factory=list)
+    reset: list[str] = field(default_factory=list)
+    left: list[str] = field(default_factory=list)
+    backend: str = "torch"
+
+    def _of(self, kind: str) -> list[PairRecord]:
+        return [p for p in self.pairs if p.kind == kind]
+
+    def _max(self, kind: str, attr: str) -> float:
+        return worst(getattr(p, attr) for p in self._of(kind))
+
+    @property
+    def max_drift_before(self) -> float:
+        """Q/K slot drift before the fix, max over layers, groups and slots."""
+        return self._max("qk", "drift_before")
+
+    @property
+    def max_drift_after(self) -> float:
+        return self._max("qk", "drift_after")
+
+    @property
+    def heads_fixed(self) -> int:
+        """Query heads (Q/K) whose factor differed from 1 beyond rounding in at least one slot."""
+        return sum(p.heads_fixed for p in self._of("qk"))
+
+    def per_layer(self, kind: str = "qk", attr: str = "drift_after") -> list[float]:
+        """``attr`` (``drift_before``, ``product_after``, ...) max per layer."""
+        return [float(getattr(p, attr).max()) for p in self._of(kind)]
+
+    def as_dict(self, prefix: str = "gaugefix/", per_layer: bool = False) -> dict[str, float]:
+        """Flat ``{name: float}`` for loggers (``self.log_dict(report.as_dict())``)."""
+        out: dict[str, float] = {
+            f"{prefix}heads_fixed": float(self.heads_fixed),
+            f"{prefix}params_transported": float(len(self.transported)),
+            f"{prefix}params_reset": float(len(self.reset)),
+            f"{prefix}params_left": float(len(self.left)),
+        }
+        for kind in ("qk", "vo"):
+            recs = self._of(kind)
+            if not recs:
+                continue
+            mean, top = product_stats(p.product_after for p in recs)
+            out[f"{prefix}{kind}_drift_before"] = self._max(kind, "drift_before")
+            out[f"{prefix}{kind}_drift_after"] = self._max(kind, "drift_after")
+            out[f"{prefix}{kind}_scale_product_mean"] = mean
+            out[f"{prefix}{kind}_scale_product_max"] = top
+            if per_layer:
+                for p in recs:
+                    out[f"{prefix}layer{p.layer}/{kind}_drift_before"] = float(p.drift_before.max())
+                    out[f"{prefix}layer{p.layer}/{kind}_scale_product"] = float(p.product_after.mean())
+        return out

@@ -1,0 +1,76 @@
+"""The projected optimizer step, shared by :class:`gaugeopt.GaugeProjected` and the Lightning
+callback :class:`gaugeopt.callbacks.GaugeProjection`, and the one definition of the vertical fraction.
+
+``project="update"``: snapshot the gauge parameters, let the optimizer step, and replace the step it
+took, ``Δ = θ_new − θ_old``, by its horizontal part at ``θ_old``: ``θ ← θ_new − Π_vert(Δ)``
+(subtracting from ``θ_new`` keeps every entry no generator touches bit-identical to the inner step).
+``project="grad"``: ``g ← g − Π_vert(g)`` before the step.
+
+The vertical fraction of a vector field ``u`` is ``‖Π_vert u‖ / ‖u‖`` (Euclidean, ``‖u‖`` over every
+tensor of the field). :func:`squared_norms` returns the two squared norms as float64 device tensors —
+no host synchronisation until someone reads the fraction (:func:`vertical_fraction_of`).
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.projection.step import squared_norms, vertical_fraction_of
+    >>> vertical_fraction_of(squared_norms({"w": torch.tensor([3.0])}, {"w": torch.tensor([3.0, 4.0])}))
+    0.6
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.projection.projector import GaugeProjector
+
+__all__ = ["snapshot", "remove_vertical_update_", "remove_vertical_grad_", "squared_norms", "vertical_fraction_of"]
+
+
+def squared_norms(vertical: Mapping[str, torch.Tensor], field: Mapping[str, torch.Tensor | None]):
+    """``(‖Π_vert u‖², ‖u‖²)`` as float64 tensors (``field`` entries may be ``None``: zero)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    tot = sum((t.detach().double().square().sum() for t in field.values() if t is not None), zero)
+    v = sum((t.detach().double().square().sum() for t in vertical.values()), zero)
+    return v, tot
+
+
+def vertical_fraction_of(norms) -> float:
+    """``sqrt(v / tot)`` from :func:`squared_norms` (``0.0`` for a zero field)."""
+    v, tot = (float(x) for x in norms)
+    return math.sqrt(v / tot) if tot > 0 else 0.0
+
+
+def snapshot(proj: GaugeProjector, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the gauge parameters (the point ``θ_old`` an update is projected at)."""
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().clone() for n in proj.param_names()}
+
+
+@torch.no_grad()
+def remove_vertical_update_(proj: GaugeProjector, model: nn.Module, before: dict[str, torch.Tensor]):
+    """``θ ← θ − Π_vert(θ − θ_old)`` at ``θ_old = before``; returns :func:`squared_norms` of ``Δ``."""
+    params = dict(model.named_parameters())
+    delta = {n: params[n].detach() - before[n] for n in before}
+    vert = proj.vertical(delta, at=before)
+    for n, v in vert.items():
+        params[n].sub_(v.to(params[n].dtype))
+    return squared_norms(vert, delta)
+
+
+@torch.no_grad()
+def remove_vertical_grad_(proj: GaugeProjector, model: nn.Module):
+    """``g ← g − Π_vert(g)`` for the gauge parameters' gradients; returns :func:`squared_norms` of ``g``."""
+    params = dict(model.named_parameters())
+    grads = {n: params[n].grad for n in proj.param_names()}
+    vert = proj.vertical(grads)
+    for n, v in vert.items():
+        p = params[n]
+        if p.grad is None:
+            p.grad = -v.to(p.dtype)
+        else:
+            p.grad.sub_(v.to(p.grad.dtype))
+    return squared_norms(vert, grads)
