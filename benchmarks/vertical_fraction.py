@@ -1,6 +1,6 @@
 """How vertical are raw gradients and AdamW updates, and what does projecting them cost?
 
-Goal (DESIGN.md §4; paper 000 Prop. 38, paper 004 Fig. 3): train a small GPT with AdamW and
+Goal (docs/projection.md; paper 000 Prop. 38, paper 004 Fig. 3): train a small GPT with AdamW and
 measure, every few steps, the vertical (pure-gauge) fraction ``‖u_vert‖/‖u‖`` of
 
 * the raw gradient ``g`` (a gauge-invariant loss: horizontal up to rounding), and

@@ -21,7 +21,7 @@ from gaugeopt.tools.canonical import canonical_metrics, canonicalize
 from gaugeopt.tools.checkpoint import load_checkpoint, save_checkpoint
 from gaugeopt.tools.counting import gauge_dimension
 from gaugeopt.projection.diagnostics import vertical_fraction, vertical_report
-from gaugeopt.tools.equivalence import equivalent, fingerprint
+from gaugeopt.tools.equivalence import equivalent, spectral_fingerprint
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix import GaugeFixer, GaugeFixReport, gauge_fix, qk_drift, vo_drift
 from gaugeopt.structure.lrm import LRMLinear, apply_lrm, lrm_param_groups
@@ -50,7 +50,7 @@ __all__ = [
     "canonicalize",
     "equivalent",
     "find_attention",
-    "fingerprint",
+    "spectral_fingerprint",
     "gauge_dimension",
     "gauge_fix",
     "invalid_gauge_transform",

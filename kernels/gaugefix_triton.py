@@ -94,6 +94,22 @@ def _sqrt(a, IEEE32: tl.constexpr):
 
 
 @triton.jit
+def _desc(desc_tab, d, n_a, n_b):
+    """One descriptor row: (address, side, stride_head, stride_chan, stride_col, n_cols, power, heads per group)."""
+    drow = desc_tab + d * 8
+    side = tl.load(drow + 1)
+    n = tl.where(side == 0, n_a, n_b)
+    return (tl.load(drow + 0), side, tl.load(drow + 2), tl.load(drow + 3), tl.load(drow + 4), tl.load(drow + 5),
+            tl.load(drow + 6), n)
+
+
+@triton.jit
+def _tile(c, xr, sc, sx, LAYOUT: tl.constexpr):
+    """Offsets of a (channel, column) tile; a unit stride is spelled out so the compiler can vectorise."""
+    return c[:, None] * (1 if LAYOUT == 2 else sc) + xr[None, :] * (1 if LAYOUT == 1 else sx)
+
+
+@triton.jit
 def _gaugefix_kernel(
     unit_tab,  # (n_units, 2) int64: plan, KV group
     plan_tab,  # (n_plans, _PF) int64
@@ -136,15 +152,9 @@ def _gaugefix_kernel(
     acc_a = tl.zeros([BLOCK_C], dtype=ACC_T)
     acc_b = tl.zeros([BLOCK_C], dtype=ACC_T)
     for d in range(d0, d1):
-        drow = desc_tab + d * 8
-        side = tl.load(drow + 1)
-        sh = tl.load(drow + 2)
-        sc = tl.load(drow + 3)
-        sx = tl.load(drow + 4)
-        ncols = tl.load(drow + 5)
-        n = tl.where(side == 0, n_a, n_b)
-        base = tl.load(drow + 0).to(tl.pointer_type(PARAM_T)) + j * n * sh
-        offs = c[:, None] * (1 if LAYOUT == 2 else sc) + xr[None, :] * (1 if LAYOUT == 1 else sx)  # unit stride spelled out
+        addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
+        base = addr.to(tl.pointer_type(PARAM_T)) + j * n * sh
+        offs = _tile(c, xr, sc, sx, LAYOUT)
         acc = tl.zeros([BLOCK_C], dtype=ACC_T)
         for hh in range(0, n):
             for x0 in range(0, ncols, BLOCK_X):
@@ -200,16 +210,10 @@ def _gaugefix_kernel(
 
     # ---- pass 2: parameters
     for d in range(d0, d1):
-        drow = desc_tab + d * 8
-        side = tl.load(drow + 1)
-        sh = tl.load(drow + 2)
-        sc = tl.load(drow + 3)
-        sx = tl.load(drow + 4)
-        ncols = tl.load(drow + 5)
-        n = tl.where(side == 0, n_a, n_b)
+        addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
         f = tl.where(side == 0, fpa, fpb)[:, None]
-        base = tl.load(drow + 0).to(tl.pointer_type(PARAM_T)) + j * n * sh
-        offs = c[:, None] * (1 if LAYOUT == 2 else sc) + xr[None, :] * (1 if LAYOUT == 1 else sx)  # unit stride spelled out
+        base = addr.to(tl.pointer_type(PARAM_T)) + j * n * sh
+        offs = _tile(c, xr, sc, sx, LAYOUT)
         for hh in range(0, n):
             for x0 in range(0, ncols, BLOCK_X):
                 m = cmask[:, None] & ((x0 + xr) < ncols)[None, :]
@@ -219,18 +223,11 @@ def _gaugefix_kernel(
 
     # ---- pass 2: optimizer state, M ← M / f^k
     for d in range(d1, d2):
-        drow = desc_tab + d * 8
-        side = tl.load(drow + 1)
-        sh = tl.load(drow + 2)
-        sc = tl.load(drow + 3)
-        sx = tl.load(drow + 4)
-        ncols = tl.load(drow + 5)
-        power = tl.load(drow + 6)
-        n = tl.where(side == 0, n_a, n_b)
+        addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
         f = tl.where(side == 0, fsa, fsb)
         f = tl.where(cmask, tl.where(power == 2, f * f, f), 1.0)[:, None]  # 1 on padding: no 0/0
-        base = tl.load(drow + 0).to(tl.pointer_type(STATE_T)) + j * n * sh
-        offs = c[:, None] * (1 if LAYOUT == 2 else sc) + xr[None, :] * (1 if LAYOUT == 1 else sx)  # unit stride spelled out
+        base = addr.to(tl.pointer_type(STATE_T)) + j * n * sh
+        offs = _tile(c, xr, sc, sx, LAYOUT)
         for hh in range(0, n):
             for x0 in range(0, ncols, BLOCK_X):
                 m = cmask[:, None] & ((x0 + xr) < ncols)[None, :]

@@ -141,11 +141,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="prepared data folder (default: the tiny config's, data/builtin_char)")
     p.add_argument("--jobs", type=int, default=None, help="runs in parallel (default: one per CPU core)")
     p.add_argument("--seed", type=int, default=42, help="seed of every run (default: 42)")
+    p.add_argument("--no-plot", action="store_true", help="skip the plot (no matplotlib needed)")
     return p
+
+
+# what the demo imports, by module name -> the package that provides it
+DEPENDENCIES = {"yaml": "pyyaml", "lightning": "lightning", "torchmetrics": "torchmetrics"}
+PLOT_DEPENDENCIES = {"matplotlib": "matplotlib"}
+
+
+def missing_dependencies(plot: bool = True) -> list[str]:
+    """Packages the demo needs that are not importable (checked before any work starts)."""
+    import importlib.util
+
+    wanted = {**DEPENDENCIES, **(PLOT_DEPENDENCIES if plot else {})}
+    return [pkg for mod, pkg in wanted.items() if importlib.util.find_spec(mod) is None]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    missing = missing_dependencies(plot=not args.no_plot)
+    if missing:
+        hint = " (or run with --no-plot)" if set(missing) <= set(PLOT_DEPENDENCIES.values()) else ""
+        print(f"error: the demo needs {', '.join(missing)}, which cannot be imported: "
+              f"pip install 'gaugeopt[demo]'{hint}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     steps = args.steps or (100 if args.quick else 500)
     if steps < 10 or steps % 10:
@@ -197,11 +217,14 @@ def main(argv: list[str] | None = None) -> int:
               f"seed {args.seed}")
     text = table(ordered, header)
     elapsed = time.perf_counter() - started
-    print("\n" + text + f"\n\ndemo finished in {elapsed:.0f} s; plot: {out / 'demo.png'}", flush=True)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({"seconds": elapsed, "steps": steps, "corpus": corpus,
                                                   "runs": ordered, "params": n_params}, indent=1) + "\n")
-    plot(ordered, out / "demo.png", header)
+    written = [out / "table.md", out / "results.json"]
+    if not args.no_plot:
+        plot(ordered, out / "demo.png", header)
+        written.append(out / "demo.png")
+    print("\n" + text + f"\n\ndemo finished in {elapsed:.0f} s; wrote " + ", ".join(map(str, written)), flush=True)
     return 0
 
 

@@ -37,3 +37,45 @@ def test_docstring_examples_run(name):
     mod = importlib.import_module(name)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, verbose=False)
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed"
+
+
+def _resolve(dotted: str) -> bool:
+    """Whether ``gaugeopt.a.b.c`` names a module or an attribute chain of one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def _references() -> dict[str, set[str]]:
+    """Every ``gaugeopt.…`` name a docstring role (``:func:``, ``:class:``, …) or a docs page points to."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(gaugeopt.__file__).resolve().parent.parent
+    role = re.compile(r":(?:func|class|mod|meth|attr|data|exc):`~?(gaugeopt(?:\.\w+)+)`")
+    ticked = re.compile(r"`(gaugeopt(?:\.\w+)+)`")
+    found: dict[str, set[str]] = {}
+    for path in [*root.joinpath("gaugeopt").rglob("*.py"), *root.joinpath("kernels").glob("*.py")]:
+        for name in role.findall(path.read_text()):
+            found.setdefault(name, set()).add(str(path.relative_to(root)))
+    for path in [root / "README.md", *root.joinpath("docs").glob("*.md")]:
+        for name in ticked.findall(path.read_text()):
+            found.setdefault(name, set()).add(str(path.relative_to(root)))
+    return found
+
+
+def test_every_reference_to_a_gaugeopt_name_resolves():
+    refs = _references()
+    assert len(refs) > 50  # not vacuous
+    broken = {name: sorted(where) for name, where in refs.items() if not _resolve(name)}
+    assert not broken, broken

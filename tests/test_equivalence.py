@@ -10,7 +10,7 @@ import torch
 import gaugeopt
 import zoo
 from gaugeopt.structure.actions import INVALID_KINDS, permute_heads
-from gaugeopt.tools.equivalence import compare, equivalent, fingerprint, match_heads
+from gaugeopt.tools.equivalence import compare, equivalent, spectral_fingerprint, match_heads
 from model_tools_helpers import (
     CORE_CASES,
     CORE_IDS,
@@ -35,14 +35,14 @@ def cases():
 def test_true_for_20_gauge_copies(cases, cid):
     case = cases[cid]
     g = torch.Generator().manual_seed(0)
-    fp = fingerprint(case.model)
+    fp = spectral_fingerprint(case.model)
     for _ in range(20):
         moved = gaugeopt.random_gauge_transform(case.copy(), gauge_kinds(cid.endswith("+lrm")), g)
         assert state_diff(case.model, moved) > 1e-2
         report = compare(case.model, moved, TOL)
         assert report.equivalent, report.reason
         assert report.max_distance() <= 1e-12
-        assert fp.distance(fingerprint(moved)) <= 1e-12
+        assert fp.distance(spectral_fingerprint(moved)) <= 1e-12
 
 
 @pytest.mark.parametrize("cid", CORE_IDS + ["gpt_rope_partial_interleaved"])
@@ -138,14 +138,14 @@ def test_documented_limit_key_bias_shift_is_not_quotiented():
 
 def test_fingerprint_is_invariant_and_informative(cases):
     case = cases["gpt_rope_split_half_gqa"]
-    fp = fingerprint(case.model)
+    fp = spectral_fingerprint(case.model)
     moved = gaugeopt.random_gauge_transform(case.copy(), ("qk", "vo", "perm"), torch.Generator().manual_seed(2))
-    assert fingerprint(moved).digest() == fp.digest()
+    assert spectral_fingerprint(moved).digest() == fp.digest()
     assert len(fp.spectra) == 2 and fp.spectra[0].shape == (4, 16)
     other = case.copy()
     perturb(other, "o", torch.Generator().manual_seed(0), rel=1e-3)
-    assert fp.distance(fingerprint(other)) > 1e-6 and fingerprint(other).digest() != fp.digest()
-    assert fp.distance(fingerprint(cases["gpt"].model)) == float("inf")
+    assert fp.distance(spectral_fingerprint(other)) > 1e-6 and spectral_fingerprint(other).digest() != fp.digest()
+    assert fp.distance(spectral_fingerprint(cases["gpt"].model)) == float("inf")
 
 
 def test_tolerance_is_validated():

@@ -31,7 +31,7 @@ def _first_layer_prefix(model) -> str:
 
 
 def _gauge_count(model, sector: str, prefix: str, groups: str = "all") -> int:
-    """Independent count of the generators of the first layer (DESIGN.md §2)."""
+    """Independent count of the generators of the first layer (docs/gauge_group.md)."""
     sites = [s for s in gaugeopt.find_attention(model) if s.name.startswith(prefix)]
     ng = (lambda s: s.h_kv) if groups == "all" else (lambda s: min(s.h_kv, 2))
     if sector == "qk":

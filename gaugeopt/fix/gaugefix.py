@@ -79,9 +79,9 @@ def check_optimizer_owns(params: dict[int, tuple[str, torch.Tensor]], optimizer,
     owned = {id(p) for g in opt.param_groups for p in g["params"]}
     missing = [name for pid, (name, _) in params.items() if pid not in owned]
     if missing:
-        whose = "none of" if len(missing) == len(params) else f"{len(missing)} of the {len(params)}"
+        whose = "none of the" if len(missing) == len(params) else f"{len(params) - len(missing)} of the {len(params)}"
         raise GaugeError(
-            f"{what}: the optimizer ({type(opt).__name__}) steps {whose} parameters the fix rescales, e.g. "
+            f"{what}: the optimizer ({type(opt).__name__}) steps {whose} parameters the fix rescales; missing e.g. "
             f"{missing[:3]}; their optimizer state cannot be transported. Pass the optimizer that trains these "
             "parameters (is it another model's?), or transport_state=False to rescale the parameters alone"
         )

@@ -3,7 +3,7 @@
 A gauge fix that rescales a parameter coordinate-wise changes the coordinates the optimizer
 works in. The loss is the same function of the new parameter ``p' = s ⊙ p``, so by the chain
 rule its gradient is ``∂L/∂p' = (∂L/∂p) / s``. Every moment an optimizer keeps is a sum of
-past gradients (or of their squares), so the state *in the new coordinates* is (DESIGN.md §3)::
+past gradients (or of their squares), so the state *in the new coordinates* is (docs/gaugefix.md)::
 
     exp_avg        ← exp_avg / s           (Adam, AdamW, NAdam, RAdam)
     exp_avg_sq     ← exp_avg_sq / s²       max_exp_avg_sq ← max_exp_avg_sq / s²

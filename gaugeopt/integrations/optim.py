@@ -2,7 +2,7 @@
 
 AdamW's per-coordinate scaling and weight decay are not gauge-equivariant, so the step it
 takes has a *vertical* part that moves along gauge orbits without changing the function
-(DESIGN.md §4; measure it with :func:`gaugeopt.vertical_fraction`). The wrapper removes it:
+(docs/projection.md; measure it with :func:`gaugeopt.vertical_fraction`). The wrapper removes it:
 
 ``project="update"`` (default)
     snapshot the gauge parameters, let the inner optimizer step, and replace the step it
@@ -47,7 +47,6 @@ Example:
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -114,7 +113,9 @@ class GaugeProjected(torch.optim.Optimizer):
             raise GaugeError(
                 "GaugeProjected: project='grad' evaluates the closure once, but LBFGS re-evaluates it; use project='update'"
             )
-        self._init_hooks()
+        super().__init__([torch.zeros(())], {})  # placeholder: see the delegating properties below
+        for key in ("_constructor_param_groups", "_constructor_state", "_constructor_defaults"):
+            self.__dict__.pop(key, None)
         self.optimizer = optimizer
         self.model = model
         self.project, self.mode, self.fix_every = project, mode, fix_every
@@ -128,16 +129,11 @@ class GaugeProjected(torch.optim.Optimizer):
         self._check_coverage()
 
     # ------------------------------------------------------------------ torch.optim.Optimizer plumbing
-    def _init_hooks(self) -> None:
-        # What Optimizer.__init__ sets up, without re-adding the inner optimizer's parameters.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
-        self._warned_capturable_if_run_uncaptured = True
+    # The inner optimizer holds param_groups, state and defaults; the wrapper delegates to it. The
+    # public constructor (hooks, step patching, whatever a torch release adds) runs on a placeholder
+    # parameter first, while the setters below keep its writes away from the inner optimizer.
+    def _inner(self):
+        return self.__dict__.get("optimizer")
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
@@ -145,7 +141,10 @@ class GaugeProjected(torch.optim.Optimizer):
 
     @param_groups.setter
     def param_groups(self, value: list[dict]) -> None:
-        self.optimizer.param_groups = value
+        if self._inner() is None:
+            self.__dict__["_constructor_param_groups"] = value
+        else:
+            self.optimizer.param_groups = value
 
     @property
     def state(self):  # type: ignore[override]
@@ -153,7 +152,10 @@ class GaugeProjected(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value) -> None:
-        self.optimizer.state = value
+        if self._inner() is None:
+            self.__dict__["_constructor_state"] = value
+        else:
+            self.optimizer.state = value
 
     @property
     def defaults(self) -> dict:  # type: ignore[override]
@@ -161,7 +163,10 @@ class GaugeProjected(torch.optim.Optimizer):
 
     @defaults.setter
     def defaults(self, value: dict) -> None:
-        self.optimizer.defaults = value
+        if self._inner() is None:
+            self.__dict__["_constructor_defaults"] = value
+        else:
+            self.optimizer.defaults = value
 
     @property
     def projector(self) -> GaugeProjector:
@@ -186,6 +191,8 @@ class GaugeProjected(torch.optim.Optimizer):
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._inner() is None:  # the constructor's placeholder group
+            return
         self.optimizer.add_param_group(param_group)
 
     # ------------------------------------------------------------------ the step
@@ -298,8 +305,7 @@ class GaugeProjected(torch.optim.Optimizer):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._init_hooks()
+        torch.optim.Optimizer.__setstate__(self, state)  # restores hooks and the step patch
         self._projector = None
         self._fixer = None
 

@@ -1,7 +1,7 @@
 """The dense head gauges as projection sectors: ``qk`` (``GL(d_k)`` or its RoPE commutant) and ``vo``.
 
 Each sector knows its generators and removes them from a vector field ``u`` given per
-parameter, for every KV group of every layer at once (DESIGN.md §4, paper 000 Remark 51 /
+parameter, for every KV group of every layer at once (docs/projection.md, paper 000 Remark 51 /
 Algorithm 2). Both sectors are instances of one *bilinear* family: per KV group a matrix
 ``M ∈ gl(n)`` moves "A-side" tensors ``a_k`` and "B-side" tensors ``b_k`` (rows of width ``n``)
 
@@ -15,7 +15,7 @@ sector  A side (``a_k``, twist ``Λ_k``)             B side (``b_k``, twist ``Γ
 ======  ========================================  ==========================================  ==========
 
 over the query heads ``i`` of group ``j``. Without multipliers every twist is ``I`` and these
-are DESIGN.md's ``δW_Q[i] = XᵀW_Q[i]``, ``δW_K[j] = −X W_K[j]``, ``δW_V[j] = Z W_V[j]``,
+are the generators ``δW_Q[i] = XᵀW_Q[i]``, ``δW_K[j] = −X W_K[j]``, ``δW_V[j] = Z W_V[j]``,
 ``δW_O[:, i] = −W_O[:, i] Z``. Under LRM the parameters are ``W̄, r, c``, not ``W``: the
 effective-weight generator ``δW_Q = XᵀW_Q`` with ``W_Q = diag(r) W̄ diag(c)`` is
 ``δW̄_Q = diag(r)⁻¹ Xᵀ diag(r) W̄_Q`` — the *twist* (column multipliers cancel, the bias row
@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.structure.pair import PairSide
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from . import sylvester
 from gaugeopt.projection.sylvester import SylvesterInverse, psd_solve, twisted_cg
@@ -72,60 +73,33 @@ from gaugeopt.projection.sylvester import SylvesterInverse, psd_solve, twisted_c
 __all__ = ["DenseSector"]
 
 
-@dataclass
-class _Side:
-    """Where one side's tensors live: weight/bias/twist refs and the layout of the weight."""
-
-    weight: TensorRef
-    bias: TensorRef | None
-    twist: TensorRef | None
-    cols: bool  # weight view is (m, heads, n) (the O projection) instead of (heads, n, m)
-    members: int  # member heads per KV group
-
-
-def _sides(site: AttentionSite, kind: str) -> tuple[_Side, _Side]:
-    if kind == "qk":
-        return (
-            _Side(site.q.weight, site.q.bias, site.q.row_mult, False, site.n_rep),
-            _Side(site.k.weight, site.k.bias, site.k.row_mult, False, 1),
-        )
-    return (
-        _Side(site.v.weight, site.v.bias, site.v.row_mult, False, 1),
-        _Side(site.o.weight, None, site.o.col_mult, True, site.n_rep),  # o.bias is never touched
-    )
-
-
-def _gather(side: _Side, src, h_kv: int) -> torch.Tensor:
-    """``(h_kv, members, n, m)`` rows of the side (bias appended as a last column)."""
-    w = src(side.weight)
-    if side.cols:
-        w = w.permute(1, 2, 0)  # (d, h, n) -> (h, n, d)
+def _gather(side: PairSide, src) -> torch.Tensor:
+    """``(groups, repeat, n, m)`` rows of the side (bias appended as a last column)."""
+    w = side.rows(src(side.weight))
     if side.bias is not None:
         w = torch.cat([w, src(side.bias)[..., None]], dim=-1)
-    return w.reshape(h_kv, side.members, *w.shape[1:])
+    return side.grouped(w)
 
 
-def _twist(side: _Side, src, h_kv: int, site: AttentionSite) -> torch.Tensor | None:
-    if side.twist is None:
+def _twist(side: PairSide, src, site: AttentionSite) -> torch.Tensor | None:
+    if side.mult is None:
         return None
-    t = src(side.twist).reshape(h_kv, side.members, -1)
+    t = side.grouped(src(side.mult))
     if bool((t == 0).any()):
         raise GaugeError(
-            f"{site.name}: multiplier {side.twist.name} has an exact zero; the gauge generators in W̄ coordinates "
+            f"{site.name}: multiplier {side.mult.name} has an exact zero; the gauge generators in W̄ coordinates "
             "divide by it (a zero multiplier makes its whole row a gauge direction). Re-initialise that multiplier."
         )
     return t
 
 
-def _scatter(side: _Side, out, v: torch.Tensor) -> None:
-    """Add ``v (h_kv, members, n, m)`` into the views of ``out`` (a ``ref -> tensor`` accessor)."""
+def _scatter(side: PairSide, out, v: torch.Tensor) -> None:
+    """Add ``v (groups, repeat, n, m)`` into the views of ``out`` (a ``ref -> tensor`` accessor)."""
     v = v.reshape(-1, *v.shape[2:])  # (heads, n, m)
     if side.bias is not None:
         out(side.bias).add_(v[..., -1])
         v = v[..., :-1]
-    if side.cols:
-        v = v.permute(2, 0, 1)
-    out(side.weight).add_(v)
+    out(side.weight).add_(side.unrows(v))
 
 
 def _apply_m(A, lam, B, gam, M):
@@ -144,7 +118,7 @@ def _apply_m(A, lam, B, gam, M):
 @dataclass
 class _SiteState:
     site: AttentionSite
-    sides: tuple[_Side, _Side]
+    sides: tuple[PairSide, PairSide]
     A: torch.Tensor
     lam: torch.Tensor | None
     B: torch.Tensor
@@ -197,28 +171,32 @@ class DenseSector:
     def refs(self) -> list[TensorRef]:
         out = []
         for s in self.sites:
-            for side in _sides(s, self.name):
+            for side in s.pair(self.name).sides():
                 out += [r for r in (side.weight, side.bias) if r is not None]
         return out
 
     def units(self) -> list[str]:
         return [s.name for s in self.sites]
 
+    def dimension(self) -> int:
+        """Number of generators: per KV group ``d_k²`` (RoPE-reduced) for ``qk``, ``d_v²`` for ``vo``."""
+        return sum(s.h_kv * (s.rope.qk_gauge_dim(s.d_k) if self.name == "qk" else s.d_v**2) for s in self.sites)
+
     # ------------------------------------------------------------------ prepare (depends on θ only)
     def prepare(self, ctx) -> "_Prepared":
         states: list[_SiteState] = []
         pending: dict[tuple, list] = {}
         for s, (n, free, pidx, qidx) in zip(self.sites, self.static):
-            sa, sb = _sides(s, self.name)
+            sa, sb = s.pair(self.name).sides()
             st = _SiteState(
-                s, (sa, sb), _gather(sa, ctx.weight, s.h_kv), _twist(sa, ctx.weight, s.h_kv, s),
-                _gather(sb, ctx.weight, s.h_kv), _twist(sb, ctx.weight, s.h_kv, s),
+                s, (sa, sb), _gather(sa, ctx.weight), _twist(sa, ctx.weight, s),
+                _gather(sb, ctx.weight), _twist(sb, ctx.weight, s),
             )
             if len(pidx):
                 st.plane = _plane_prepare(st, pidx.to(ctx.device), qidx.to(ctx.device), ctx.rtol)
             if len(free):
                 st.free = free.to(ctx.device)
-                key = (len(free), sa.members, sb.members, st.lam is not None, st.gam is not None)
+                key = (len(free), sa.repeat, sb.repeat, st.lam is not None, st.gam is not None)
                 pending.setdefault(key, []).append(st)
             states.append(st)
         return _Prepared(states, {key: _batch_prepare(sts, ctx) for key, sts in pending.items()})
@@ -231,7 +209,7 @@ class DenseSector:
         coef: dict[int, torch.Tensor] = {}
         for idx, st in enumerate(states):
             sa, sb = st.sides
-            dA, dB = _gather(sa, u, st.site.h_kv), _gather(sb, u, st.site.h_kv)
+            dA, dB = _gather(sa, u), _gather(sb, u)
             st.extras = {"dA": dA, "dB": dB}
             vA, vB = torch.zeros_like(st.A), torch.zeros_like(st.B)
             n = st.A.shape[-2]
@@ -304,7 +282,7 @@ def _writer(sides, vA, vB):
 
 def _key(st: _SiteState) -> tuple:
     sa, sb = st.sides
-    return (len(st.free), sa.members, sb.members, st.lam is not None, st.gam is not None)
+    return (len(st.free), sa.repeat, sb.repeat, st.lam is not None, st.gam is not None)
 
 
 def _cross(st: _SiteState, dA, dB, F) -> tuple[torch.Tensor, torch.Tensor]:

@@ -231,6 +231,13 @@ def fisher_rao_split(
     Returns:
         :class:`FisherRaoSplit`. The Gram solve uses the pseudo-inverse rule of
         :mod:`gaugeopt.projection.sylvester` (plus ``damping``).
+
+    Raises:
+        GaugeError: the metric is degenerate along the gauge orbits — its Gram matrix on the
+            generators is below ``1e-10`` of what its scale on ``u`` would give, as for the true
+            Fisher of a gauge-invariant model (it annihilates every generator), where the split is
+            undefined (it would be rounding noise, with fractions above 1). Pass a metric that is
+            non-degenerate on the generators, e.g. a damped Fisher ``v ↦ Fv + δv``.
     """
     proj = GaugeProjector(model, sectors, "exact", **projector_kwargs)
     m = _basis_size(proj)
@@ -253,12 +260,22 @@ def fisher_rao_split(
     G = A.mT @ FA
     G = 0.5 * (G + G.mT)
     b = A.mT @ Fu
-    Gd = G + damping * torch.eye(G.shape[0], dtype=G.dtype)
-    c = psd_solve(Gd, b) if cols else b
-    vert = A @ c
     uFu = float(u @ Fu)
     if uFu <= 0:
         raise GaugeError("fisher_rao_split: ‖u‖_F = 0 under the given metric; the fraction is undefined")
+    if cols:  # the metric's energy on the generators against its scale on u (Euclidean gram as the yardstick)
+        scale = uFu / float(u @ u) * float(torch.linalg.eigvalsh(A.mT @ A).max())
+        top = float(torch.linalg.eigvalsh(G).max())
+        if top <= 1e-10 * scale:
+            raise GaugeError(
+                f"fisher_rao_split: the metric is degenerate along the gauge orbits (largest eigenvalue of AᵀFA is "
+                f"{top:.1e}, {top / scale:.1e} of the metric's scale on u), as the true Fisher of a gauge-invariant "
+                "model is: the Fisher–Rao vertical part is undefined there. Pass a metric that is non-degenerate on "
+                "the generators, e.g. a damped Fisher `lambda v: F(v) + delta * v`, or use vertical_fraction (Euclidean)"
+            )
+    Gd = G + damping * torch.eye(G.shape[0], dtype=G.dtype)
+    c = psd_solve(Gd, b) if cols else b
+    vert = A @ c
     vFv = float(vert @ metric(vert).double())
     bn = float(b.norm())
     return FisherRaoSplit(
@@ -273,19 +290,7 @@ def fisher_rao_split(
 
 
 def _basis_size(proj: GaugeProjector) -> int:
-    n = 0
-    for s in proj.sectors:
-        sec = proj._impl[s]
-        if s in ("qk", "vo"):
-            for site in sec.sites:
-                n += site.h_kv * (site.rope.qk_gauge_dim(site.d_k) if s == "qk" else site.d_v**2)
-        elif s == "lrm_qk":
-            n += sum(site.h_kv * (site.rope.rotary_dim // 2 + site.d_k - site.rope.rotary_dim) for site in sec.sites)
-        elif s == "lrm_vo":
-            n += sum(site.h_kv * site.d_v for site in sec.sites)
-        else:
-            n += sum(m.out_features + m.in_features * len(m.split_sizes) for _, m in sec.modules)
-    return n
+    return sum(proj._impl[s].dimension() for s in proj.sectors)
 
 
 # ---------------------------------------------------------------------- holonomy (Algorithm 4)

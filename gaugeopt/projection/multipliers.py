@@ -1,6 +1,6 @@
 """The learnable-multiplier gauges as projection sectors: ``lrm_qk``, ``lrm_vo``, ``lrm_internal``.
 
-With LRM (DESIGN.md §3) a layer's effective weight is ``diag(r)·W̄·diag(c)``, which adds
+With LRM (docs/gaugefix.md) a layer's effective weight is ``diag(r)·W̄·diag(c)``, which adds
 gauges that move the *multipliers* (paper 002). Their generators, in the coordinates the
 optimizer sees (``W̄, b̄, r, c``), and the closed forms used to project them out:
 
@@ -8,7 +8,7 @@ optimizer sees (``W̄, b̄, r, c``), and the closed forms used to project them o
     channel, or per RoPE plane (both coordinates share it; :func:`gaugeopt.structure.rope.plane_index`).
     Generator of channel set ``π``: ``δr_Q[i, c] = r_Q[i, c]``, ``δr_K[j, c] = −r_K[j, c]``
     (``c ∈ π``, ``i`` in group ``j``). Different ``(j, π)`` touch disjoint entries, so the
-    projection is one ratio each (DESIGN.md §4):
+    projection is one ratio each (docs/projection.md):
     ``t = (Σ r_Q·du_rQ − Σ r_K·du_rK) / (Σ r_Q² + Σ r_K²)``.
 ``lrm_vo`` — ``r_V[j] ← r_V[j] ⊙ e``, ``c_O[i] ← c_O[i] ⊘ e`` per channel:
     ``t = (r_V·du_rV − Σ_i c_O[i]·du_cO[i]) / (r_V² + Σ_i c_O[i]²)``.
@@ -62,75 +62,62 @@ def _safe_inv(den: torch.Tensor, rtol: float, scale: torch.Tensor | None = None)
 
 
 class DiagonalSector:
-    """``lrm_qk`` or ``lrm_vo`` over the sites that carry the multipliers."""
+    """``lrm_qk`` or ``lrm_vo`` over the sites that carry the multipliers: the ``mult`` of each
+    side of their :class:`~gaugeopt.structure.pair.GaugePair`."""
 
     def __init__(self, kind: str, sites: list[AttentionSite]) -> None:
         self.name = kind
-        if kind == "lrm_qk":
-            self.sites = [s for s in sites if s.q.row_mult is not None and s.k.row_mult is not None]
-        else:
-            self.sites = [s for s in sites if s.v.row_mult is not None and s.o.col_mult is not None]
-        self.pids = []
-        for s in self.sites:
-            pid = plane_index(s.rope, s.d_k) if kind == "lrm_qk" else torch.arange(s.d_v)
-            self.pids.append(pid)
-
-    def _refs(self, s: AttentionSite):
-        if self.name == "lrm_qk":
-            return s.q.row_mult, s.n_rep, s.k.row_mult, 1
-        return s.v.row_mult, 1, s.o.col_mult, s.n_rep
+        pairs = [s.pair("qk" if kind == "lrm_qk" else "vo") for s in sites]
+        self.pairs = [p for p in pairs if p.has_multipliers]
+        self.pids = [plane_index(p.rope, p.width) for p in self.pairs]  # one id per channel without RoPE
 
     def param_names(self) -> list[str]:
-        out = []
-        for s in self.sites:
-            ra, _, rb, _ = self._refs(s)
-            out += [ra.name, rb.name]
-        return out
+        return [r.name for p in self.pairs for r in (p.a.mult, p.b.mult)]
 
     def units(self) -> list[str]:
-        return [s.name for s in self.sites]
+        return [p.site.name for p in self.pairs]
+
+    def dimension(self) -> int:
+        """Number of generators: one per group and scale slot (RoPE plane or channel)."""
+        return sum(p.groups * p.rope.n_slots(p.width) for p in self.pairs)
 
     def prepare(self, ctx):
         prep = []
-        for s, pid in zip(self.sites, self.pids):
-            ra, ka, rb, kb = self._refs(s)
-            a = ctx.weight(ra).reshape(s.h_kv, ka, -1)
-            b = ctx.weight(rb).reshape(s.h_kv, kb, -1)
+        for pair, pid in zip(self.pairs, self.pids):
+            a, b = pair.a.grouped(ctx.weight(pair.a.mult)), pair.b.grouped(ctx.weight(pair.b.mult))  # (G, k, width)
             pid = pid.to(ctx.device)
             n_ids = int(pid.max()) + 1
-            den = torch.zeros(s.h_kv, n_ids, dtype=a.dtype, device=a.device)
+            den = torch.zeros(pair.groups, n_ids, dtype=a.dtype, device=a.device)
             den.index_add_(1, pid, (a * a).sum(1) + (b * b).sum(1))
-            prep.append((s, pid, n_ids, a, b, _safe_inv(den, ctx.rtol)))
+            prep.append((pair, pid, n_ids, a, b, _safe_inv(den, ctx.rtol)))
         return prep
 
+    @staticmethod
+    def _write(pair, out, va, vb) -> None:
+        out(pair.a.mult).add_(va.reshape(out(pair.a.mult).shape))
+        out(pair.b.mult).add_(vb.reshape(out(pair.b.mult).shape))
+
     def apply(self, ctx, prep, u, out, record=None) -> None:
-        for s, pid, n_ids, a, b, inv in prep:
-            ra, ka, rb, kb = self._refs(s)
-            da = u(ra).reshape(s.h_kv, ka, -1)
-            db = u(rb).reshape(s.h_kv, kb, -1)
+        for pair, pid, n_ids, a, b, inv in prep:
+            da, db = pair.a.grouped(u(pair.a.mult)), pair.b.grouped(u(pair.b.mult))
             num = torch.zeros_like(inv)
             num.index_add_(1, pid, (a * da).sum(1) - (b * db).sum(1))
-            t = num * inv  # (h_kv, n_ids)
+            t = num * inv  # (groups, n_ids)
             va, vb = t[:, None, pid] * a, -t[:, None, pid] * b
-            out(ra).add_(va.reshape(out(ra).shape))
-            out(rb).add_(vb.reshape(out(rb).shape))
+            self._write(pair, out, va, vb)
             if record is not None:
-                record(self.name, s.name, t, va.square().sum() + vb.square().sum(), da.square().sum() + db.square().sum())
+                record(self.name, pair.site.name, t, va.square().sum() + vb.square().sum(),
+                       da.square().sum() + db.square().sum())
 
     def basis(self, ctx, prep):
-        for s, pid, n_ids, a, b, inv in prep:
-            ra, _, rb, _ = self._refs(s)
-            for j in range(s.h_kv):
+        for pair, pid, n_ids, a, b, inv in prep:
+            for j in range(pair.groups):
                 for m in range(n_ids):
-                    t = torch.zeros(s.h_kv, n_ids, dtype=a.dtype, device=a.device)
+                    t = torch.zeros(pair.groups, n_ids, dtype=a.dtype, device=a.device)
                     t[j, m] = 1.0
                     va, vb = t[:, None, pid] * a, -t[:, None, pid] * b
-
-                    def write(out, ra=ra, rb=rb, va=va, vb=vb):
-                        out(ra).add_(va.reshape(out(ra).shape))
-                        out(rb).add_(vb.reshape(out(rb).shape))
-
-                    yield f"{self.name}:{s.name}:group{j}:set{m}", write
+                    yield f"{self.name}:{pair.site.name}:group{j}:set{m}", (
+                        lambda out, pair=pair, va=va, vb=vb: self._write(pair, out, va, vb))
 
 
 @dataclass
@@ -176,6 +163,10 @@ class InternalSector:
 
     def units(self) -> list[str]:
         return [name for name, _ in self.modules]
+
+    def dimension(self) -> int:
+        """Number of generators: :attr:`~gaugeopt.structure.lrm.LRMLinear.internal_gauge_dim` per layer."""
+        return sum(m.internal_gauge_dim for _, m in self.modules)
 
     def prepare(self, ctx) -> list[_Block]:
         blocks: list[_Block] = []

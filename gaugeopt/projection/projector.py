@@ -3,7 +3,7 @@
 A vector field ``u`` — a gradient, an optimizer update, an Adam moment — is given per
 parameter, as ``{name: tensor}`` (names as in ``model.named_parameters()``) or as a list
 aligned with ``named_parameters()``. Its *vertical* part is its Frobenius-orthogonal
-projection onto the span of the gauge generators at the current weights θ (DESIGN.md §4,
+projection onto the span of the gauge generators at the current weights θ (docs/projection.md,
 paper 000 Remark 51, paper 004 §5); the *horizontal* part ``u − u_vert`` is what changes
 the function. The gradient of a gauge-invariant loss is already horizontal (paper 000
 Prop. 38); Adam's per-coordinate scaling and weight decay are not gauge-equivariant, so an

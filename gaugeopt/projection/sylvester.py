@@ -1,4 +1,4 @@
-"""Batched solvers for the normal equations of gauge-orthogonal projection (DESIGN.md §4).
+"""Batched solvers for the normal equations of gauge-orthogonal projection (docs/projection.md).
 
 Projecting a vector field off the gauge directions of one KV group is a least-squares problem
 whose normal equations are a Sylvester equation (paper 000, Remark 51)

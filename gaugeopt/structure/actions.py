@@ -1,6 +1,6 @@
 """Finite gauge actions on a model's attention, random group elements, and invalid controls.
 
-The symmetries of DESIGN.md §2, acting on the *effective* weights (``diag(r)·W̄·diag(c)``
+The symmetries of docs/gauge_group.md, acting on the *effective* weights (``diag(r)·W̄·diag(c)``
 under LRM, biases travelling with their rows), per KV group ``j`` shared by its query heads:
 
 ========================  =================================================================
@@ -70,7 +70,7 @@ def relative_change(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 def _per_query(site: AttentionSite, x: torch.Tensor) -> torch.Tensor:
     """Expand a per-KV-group tensor ``(h_kv, ...)`` to per query head ``(h, ...)``."""
-    return x.repeat_interleave(site.n_rep, dim=0)
+    return site.pair("qk").a.expand(x)
 
 
 def _check_commutes(site: AttentionSite, A: torch.Tensor, what: str = "A") -> None:
@@ -239,6 +239,15 @@ def _sites(model: nn.Module, sites) -> list[AttentionSite]:
     return find_attention(model) if sites is None else list(sites)
 
 
+def as_generator(generator: torch.Generator | int | None, what: str) -> torch.Generator | None:
+    """A ``torch.Generator`` from a generator, an integer seed or ``None``."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    if isinstance(generator, int) and not isinstance(generator, bool):
+        return torch.Generator().manual_seed(generator)
+    raise GaugeError(f"{what}: generator must be a torch.Generator, an integer seed or None, got {type(generator).__name__}")
+
+
 def _log_uniform(shape, scale, generator, dtype) -> torch.Tensor:
     return torch.exp((torch.rand(shape, generator=generator, dtype=dtype) * 2 - 1) * scale)
 
@@ -246,7 +255,7 @@ def _log_uniform(shape, scale, generator, dtype) -> torch.Tensor:
 def random_gauge_transform(
     model: nn.Module,
     kinds: Sequence[str] | str = ("qk", "vo", "perm"),
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
     *,
     sites: Sequence[AttentionSite] | None = None,
     log_scale: float = 0.5,
@@ -262,12 +271,13 @@ def random_gauge_transform(
             ``"vo"`` (``GL(d_v)``), ``"perm"`` (head permutations), ``"lrm_qk"``, ``"lrm_vo"``
             (diagonal multiplier gauges), ``"lrm_internal"`` (every LRM layer's internal
             rescaling), or ``"all"`` for every kind the model has.
-        generator: a ``torch.Generator`` for reproducibility.
+        generator: a ``torch.Generator`` or an integer seed, for reproducibility.
         sites: attention sites (default ``find_attention(model)``).
 
     Returns:
         ``model``.
     """
+    generator = as_generator(generator, "random_gauge_transform")
     sites = _sites(model, sites)
     has_lrm = any(isinstance(m, LRMLinear) for m in model.modules())
     if kinds == "all":
@@ -308,7 +318,7 @@ def random_gauge_transform(
 def invalid_gauge_transform(
     model: nn.Module,
     kind: str,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
     *,
     sites: Sequence[AttentionSite] | None = None,
     log_scale: float = 0.5,
@@ -328,7 +338,7 @@ def invalid_gauge_transform(
     if kind not in INVALID_KINDS:
         raise GaugeError(f"invalid_gauge_transform: kind={kind!r} is not one of {INVALID_KINDS}")
     sites = _sites(model, sites)
-    g = generator
+    g = as_generator(generator, "invalid_gauge_transform")
     if kind == "gl_under_rope" and not any(s.rope.active for s in sites):
         raise GaugeError("invalid_gauge_transform: 'gl_under_rope' needs a model with RoPE")
     if kind == "cross_head" and all(s.h_kv == 1 for s in sites):

@@ -113,7 +113,7 @@ def site_from_linears(
     and O children (``nn.Linear``, HF ``Conv1D`` or ``LRMLinear``), the head counts and the
     RoPE convention. *You* vouch that the module's forward is standard scaled-dot-product
     attention over these projections (no per-head normalisation, no extra learned keys);
-    :func:`gaugeopt.structure.actions.check_invariance` verifies it numerically on your model.
+    :func:`gaugeopt.structure.invariance.check_invariance` verifies it numerically on your model.
 
     Args:
         module: the attention module; ``name`` its qualified name in the root model.
@@ -122,6 +122,12 @@ def site_from_linears(
         head_dim, v_head_dim: widths (default: Q rows / num_heads).
         rope: the RoPE convention (:class:`~gaugeopt.structure.rope.RopeSpec`).
     """
+    if len({q, k, v}) < 3:
+        raise GaugeError(
+            f"{name}: q={q!r}, k={k!r}, v={v!r} name the same layer: that is a fused QKV projection, and "
+            "site_from_linears takes separate Q, K and V linears. Describe the fused layout (its row order) "
+            "with an adapter spec instead; see docs/adapters.md"
+        )
     mods = {}
     for role, attr in (("q", q), ("k", k), ("v", v), ("o", o)):
         if not hasattr(module, attr):

@@ -7,7 +7,7 @@ base matrix ``W̄`` (weight-decayed as usual) and learns a row scale ``r`` and a
     y = ((x ⊙ c) W̄ᵀ + b̄) ⊙ r          # O(tokens·d) extra work, never O(d²)
 
 The bias sits inside the row scale, so ``[W̄ | b̄]`` is one augmented matrix whose rows ``r``
-scales (DESIGN.md §1): every diagonal gauge acts on the multipliers alone.
+scales (docs/gauge_group.md): every diagonal gauge acts on the multipliers alone.
 
 A fused projection (GPT-2's ``c_attn``) is split into blocks (Q, K, V) that each get their
 own ``r`` and ``c`` — the Q/K gauge lives on ``r_Q`` vs ``r_K`` and the paper's conditions
@@ -114,6 +114,12 @@ class LRMLinear(nn.Module):
         """``diag(r) · W̄ · diag(c)`` as a dense ``(out, in)`` matrix (for tools and tests only)."""
         ws = self.weight.split(self.split_sizes, dim=0)
         return torch.cat([r[:, None] * w * c[None, :] for w, r, c in zip(ws, self.row_mults, self.col_mults)])
+
+    @property
+    def internal_gauge_dim(self) -> int:
+        """Dimension of the internal rescalings ``r ← r⊙t, W̄ ← W̄⊘(t⊗s), c ← c⊙s``: one ``t`` per
+        output row and one ``s`` per input column of every multiplier block."""
+        return self.out_features + self.in_features * len(self.split_sizes)
 
     def extra_repr(self) -> str:
         split = f", split_sizes={self.split_sizes}" if len(self.split_sizes) > 1 else ""

@@ -129,6 +129,12 @@ class PairSide:
         """``(heads, ...)`` → ``(h_kv, repeat, ...)``: this side's heads per KV group."""
         return x.reshape(self.heads // self.repeat, self.repeat, *x.shape[1:])
 
+    def stack(self, rows: torch.Tensor) -> torch.Tensor:
+        """``(heads, width, m)`` → ``(groups, width, repeat·m)``: the rows of each group's heads side
+        by side, so that ``S Sᵀ = Σ_i rows_i rows_iᵀ`` over the group (a Gram matrix per group)."""
+        g = self.grouped(rows)  # (groups, repeat, width, m)
+        return g.permute(0, 2, 1, 3).reshape(g.shape[0], g.shape[2], -1)
+
     def expand(self, per_group: torch.Tensor) -> torch.Tensor:
         """``(h_kv, ...)`` → ``(heads, ...)``: a per-KV-group value for every head of this side."""
         return per_group.repeat_interleave(self.repeat, dim=0) if self.repeat > 1 else per_group

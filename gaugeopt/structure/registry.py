@@ -112,6 +112,8 @@ def find_attention(
             attention-like module that no adapter claims (a silent partial result would leave
             that layer's gauge unfixed); or an adapter refusing a feature it cannot handle.
     """
+    if not isinstance(model, nn.Module):
+        raise GaugeError(f"find_attention: model must be a torch.nn.Module, got {type(model).__name__} ({model!r:.60})")
     table = {**registered_adapters(), **(adapters or {})}
     sites: list[AttentionSite] = []
     claimed: list[str] = []

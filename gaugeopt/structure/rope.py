@@ -1,7 +1,7 @@
 """Rotary position embeddings: which coordinates form a rotation plane, and the commutant.
 
 RoPE rotates each *plane* of a query/key head by a position-dependent angle. Two layouts
-exist in the wild and a gauge library must not confuse them (DESIGN.md §2):
+exist in the wild and a gauge library must not confuse them (docs/gauge_group.md):
 
 * ``"interleaved"`` — planes ``(2m, 2m+1)`` (GPT-J, Meta's original LLaMA code);
 * ``"split_half"``  — planes ``(m, m + r/2)`` (Hugging Face ``rotate_half``, GPT-NeoX).
@@ -72,6 +72,12 @@ class RopeSpec:
         if self.kind == "split_half":
             return [(m, m + r // 2) for m in range(r // 2)]
         return []
+
+    def n_slots(self, d_k: int) -> int:
+        """Channel sets that share one diagonal scale: ``r/2`` planes plus ``d_k − r`` free channels
+        (``d_k`` without RoPE); the ids :func:`plane_index` assigns."""
+        self.check_head_dim(d_k)
+        return self.rotary_dim // 2 + d_k - self.rotary_dim
 
     def qk_gauge_dim(self, d_k: int) -> int:
         """Dimension of the Q/K gauge group of one KV group: ``d_k²`` without RoPE,

@@ -1,7 +1,7 @@
 """Where a model's attention lives: one :class:`AttentionSite` per attention layer.
 
 Every gauge computation in gaugeopt reads and writes weights through these records, so the
-layout conventions are pinned here once (DESIGN.md §1). For ``h`` query heads, ``h_kv``
+layout conventions are pinned here once (docs/gauge_group.md). For ``h`` query heads, ``h_kv``
 key/value heads, head widths ``d_k``/``d_v`` and model width ``d``:
 
 ====================  ======================  ==========================================

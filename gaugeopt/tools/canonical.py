@@ -1,6 +1,6 @@
 """Canonical forms of the attention gauge: the QR section and the Gram-balanced section.
 
-A canonical form picks one representative of each gauge orbit (DESIGN.md §5). Per attention
+A canonical form picks one representative of each gauge orbit (docs/model_tools.md). Per attention
 layer and KV group ``j`` (shared by its query heads ``i``), in gaugeopt's PyTorch layout
 (``W_Q[i]: (d_k, d)``, rows are head channels; the paper writes ``W_Q^{(i)} = W_Q[i]ᵀ``):
 
@@ -109,14 +109,13 @@ def effective_tensors(site: AttentionSite) -> dict[str, torch.Tensor | None]:
 
 def _stack_queries(site: AttentionSite, wq: torch.Tensor) -> torch.Tensor:
     """``(h, d_k, d) -> (h_kv, d_k, n_rep·d)``: the query rows of each KV group side by side,
-    so that ``S Sᵀ = Σ_i W_Q[i]W_Q[i]ᵀ``."""
-    h, dk, d = wq.shape
-    return wq.reshape(site.h_kv, site.n_rep, dk, d).permute(0, 2, 1, 3).reshape(site.h_kv, dk, -1)
+    so that ``S Sᵀ = Σ_i W_Q[i]W_Q[i]ᵀ`` (:meth:`~gaugeopt.structure.pair.PairSide.stack`)."""
+    return site.pair("qk").a.stack(wq)
 
 
 def _stack_outputs(site: AttentionSite, wo: torch.Tensor) -> torch.Tensor:
     """``(h, d_out, d_v) -> (h_kv, n_rep·d_out, d_v)``: ``Tᵀ T = Σ_i W_O[:, i]ᵀW_O[:, i]``."""
-    return wo.reshape(site.h_kv, -1, wo.shape[-1])
+    return site.pair("vo").b.stack(wo.mT).mT
 
 
 # ---------------------------------------------------------------------- small linear algebra
@@ -270,11 +269,11 @@ def head_energies(site: AttentionSite, t: dict | None = None) -> tuple[torch.Ten
     """Gauge-invariant per-query-head keys ``(‖W_Q[i]ᵀW_K[j]‖_F², ‖W_O[:, i]W_V[j]‖_F²)``, each ``(h,)``,
     from ``d_k×d_k`` Grams (``‖XᵀY‖² = ⟨XXᵀ, YYᵀ⟩``)."""
     t = effective_tensors(site) if t is None else t
-    n = site.n_rep
+    expand = site.pair("qk").a.expand  # a KV head's value for each of its query heads
     gq = t["wq"] @ t["wq"].mT
-    gk = (t["wk"] @ t["wk"].mT).repeat_interleave(n, 0)
+    gk = expand(t["wk"] @ t["wk"].mT)
     go = t["wo"].mT @ t["wo"]
-    gv = (t["wv"] @ t["wv"].mT).repeat_interleave(n, 0)
+    gv = expand(t["wv"] @ t["wv"].mT)
     return (gq * gk).sum((-1, -2)), (go * gv).sum((-1, -2))
 
 

@@ -270,7 +270,7 @@ def _auto_tol(*ckpts) -> float:
 
 
 def _cmd_equivalent(args) -> int:
-    from gaugeopt.tools.equivalence import compare, fingerprint
+    from gaugeopt.tools.equivalence import compare, spectral_fingerprint
 
     a = _load(args.model_a, args.config_a, args)
     b = _load(args.model_b, args.config_b, args)
@@ -285,8 +285,9 @@ def _cmd_equivalent(args) -> int:
               + (f" ({rep.inert[1]})" if rep.inert[1] else ""))
         print(f"rank margin (min sigma_min/sigma_max of a head projection): {_fmt(rep.rank_margin)}")
         digits = max(2, min(8, round(-math.log10(max(tol, 1e-12))) - 2))
-        fa, fb = fingerprint(a.model).digest(digits), fingerprint(b.model).digest(digits)
-        print(f"fingerprints ({digits} digits): {fa} vs {fb}")
+        fa, fb = spectral_fingerprint(a.model).digest(digits), spectral_fingerprint(b.model).digest(digits)
+        print(f"spectral digests ({digits} digits; equal is necessary, not sufficient: the verdict decides): "
+              f"{fa} vs {fb}")
     print(f"verdict: {'EQUIVALENT' if rep.equivalent else 'NOT EQUIVALENT: ' + rep.reason}")
     return 0 if rep.equivalent else 1
 

@@ -1,6 +1,6 @@
 """How many parameter-space directions are pure gauge: counts per model and per symmetry.
 
-Two published conventions (DESIGN.md §2), computed from a model *or* from a config without
+Two published conventions (docs/gauge_group.md), computed from a model *or* from a config without
 allocating weights:
 
 ``convention="wang"`` (paper 000): the continuous head-wise attention symmetries,
@@ -107,9 +107,7 @@ def _lrm_internal(model: Any) -> int:
         return 0
     from gaugeopt.structure.lrm import LRMLinear
 
-    return sum(
-        sum(m.split_sizes) + m.in_features * len(m.split_sizes) for m in model.modules() if isinstance(m, LRMLinear)
-    )
+    return sum(m.internal_gauge_dim for m in model.modules() if isinstance(m, LRMLinear))
 
 
 def gauge_dimension(

@@ -2,7 +2,7 @@
 
 **Complete invariants.** For one query head ``i`` of KV group ``j``, with augmented weights
 ``X_Q = [W_Q[i] | b_Q[i]]``, ``X_K = [W_K[j] | b_K[j]]``, ``X_V = [W_V[j] | b_V[j]]``, the
-gauge group ``G`` (DESIGN.md §2) leaves invariant
+gauge group ``G`` (docs/gauge_group.md) leaves invariant
 
 * the QK circuits ``X_Qᵀ E X_K`` for ``E`` in the algebra the RoPE rotations generate:
   ``E = I`` without RoPE; per rotation plane ``m`` the plane projector ``I_m`` and its
@@ -44,7 +44,7 @@ fragile: two heads of one model closer than ``tol`` to each other may be matched
 (harmless: both pass or both fail), and heads near rank deficiency (``rank_margin``) make the
 converse direction ill conditioned.
 
-:func:`fingerprint` is the compact, permutation-invariant summary: per head the singular
+:func:`spectral_fingerprint` is the compact, permutation-invariant summary: per head the singular
 values of the QK and OV circuits — in the balanced canonical form
 (:mod:`gaugeopt.tools.canonical`) exactly the diagonals of ``P = R`` and of the ``W_O`` Gram — plus
 the norms of the inert tensors. Equal fingerprints are necessary, not sufficient.
@@ -79,12 +79,12 @@ from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.registry import find_attention
 
 __all__ = [
-    "Fingerprint",
+    "SpectralFingerprint",
     "EquivalenceReport",
     "LayerMatch",
     "compare",
     "equivalent",
-    "fingerprint",
+    "spectral_fingerprint",
     "match_heads",
     "linear_assignment",
 ]
@@ -118,9 +118,10 @@ def circuit_factors(site: AttentionSite, t: dict | None = None) -> list[tuple[to
     """Factor pairs ``(X (h, B, s, D₁), Y (h, B, s, D₂))`` whose products ``X_bᵀY_b`` are the
     complete per-query-head invariants (module docstring); the last pair is the OV circuit."""
     t = effective_tensors(site) if t is None else t
-    n, r, dk = site.n_rep, site.rope.rotary_dim, site.d_k
+    r, dk = site.rope.rotary_dim, site.d_k
+    expand = site.pair("qk").a.expand  # a KV head's rows for each of its query heads
     xq = _aug(t["wq"], t["bq"])  # (h, d_k, d+1)
-    xk = _aug(t["wk"], t["bk"]).repeat_interleave(n, 0)  # (h, d_k, d_in+1)
+    xk = expand(_aug(t["wk"], t["bk"]))  # (h, d_k, d_in+1)
     pairs = []
     if r < dk:
         pairs.append((xq[:, None, r:], xk[:, None, r:]))
@@ -131,7 +132,7 @@ def circuit_factors(site: AttentionSite, t: dict | None = None) -> list[tuple[to
         kp = torch.stack([xk[:, p], xk[:, q]], 2)
         kj = torch.stack([-xk[:, q], xk[:, p]], 2)  # J = [[0, −1], [1, 0]] on (p, q)
         pairs += [(qp, kp), (qp, kj)]
-    xv = _aug(t["wv"], t["bv"]).repeat_interleave(n, 0)  # (h, d_v, D)
+    xv = expand(_aug(t["wv"], t["bv"]))  # (h, d_v, D)
     pairs.append((t["wo"].mT[:, None], xv[:, None]))  # W_O[:, i] X_V = (W_O[:, i]ᵀ)ᵀ X_V
     return pairs
 
@@ -333,8 +334,9 @@ def equivalent(model_a: nn.Module, model_b: nn.Module, tol: float = 1e-8) -> boo
 
 # ---------------------------------------------------------------------- fingerprint
 @dataclass(frozen=True)
-class Fingerprint:
-    """Gauge- and permutation-invariant summary of a model (see :func:`fingerprint`).
+class SpectralFingerprint:
+    """Gauge- and permutation-invariant summary of a model (see :func:`spectral_fingerprint`): equal
+    fingerprints are necessary for gauge equivalence, never sufficient.
 
     Attributes:
         signature: attention shapes/RoPE layouts and the inert tensors' names and shapes.
@@ -347,7 +349,7 @@ class Fingerprint:
     spectra: tuple[torch.Tensor, ...]
     inert_norms: torch.Tensor
 
-    def distance(self, other: Fingerprint) -> float:
+    def distance(self, other: SpectralFingerprint) -> float:
         """Largest relative difference (rows matched optimally per layer); ``inf`` across architectures."""
         if self.signature != other.signature:
             return float("inf")
@@ -361,8 +363,11 @@ class Fingerprint:
         return worst
 
     def digest(self, digits: int = 6) -> str:
-        """A short hash of the values rounded to ``digits`` significant digits. Equal models give
-        equal digests unless a value sits on a rounding boundary; a hint for deduplication, not a test."""
+        """A short hash of the values rounded to ``digits`` significant digits.
+
+        A *necessary* condition only: gauge-equivalent models give equal digests (unless a value sits
+        on a rounding boundary), but so do models whose circuits differ by an orthogonal map on one
+        side (equal singular values, a different function). Use :func:`compare` for a verdict."""
         h = hashlib.sha256(repr(self.signature).encode())
         fmt = f"{{:.{digits - 1}e}}"
         for a in self.spectra:
@@ -373,21 +378,21 @@ class Fingerprint:
 
 
 @torch.no_grad()
-def fingerprint(model: nn.Module) -> Fingerprint:
-    """The :class:`Fingerprint` of ``model`` (float64; the model is not modified)."""
+def spectral_fingerprint(model: nn.Module) -> SpectralFingerprint:
+    """The :class:`SpectralFingerprint` of ``model`` (float64; the model is not modified)."""
     sites = find_attention(model)
     inert = inert_tensors(model, sites)
     spectra = []
     for site in sites:
         t = effective_tensors(site)
-        n = site.n_rep
+        expand = site.pair("qk").a.expand
         _, rq = torch.linalg.qr(_aug(t["wq"], t["bq"]).mT)
-        _, rk = torch.linalg.qr(_aug(t["wk"], t["bk"]).repeat_interleave(n, 0).mT)
+        _, rk = torch.linalg.qr(expand(_aug(t["wk"], t["bk"])).mT)
         _, ro = torch.linalg.qr(t["wo"])
-        _, rv = torch.linalg.qr(_aug(t["wv"], t["bv"]).repeat_interleave(n, 0).mT)
+        _, rv = torch.linalg.qr(expand(_aug(t["wv"], t["bv"])).mT)
         sq, so = torch.linalg.svdvals(rq @ rk.mT), torch.linalg.svdvals(ro @ rv.mT)
         order = torch.argsort(sq.square().sum(-1), descending=True)
         spectra.append(torch.cat([sq, so], -1)[order])
     sig = _signature(sites, inert)
     norms = torch.tensor([float(inert[k].norm()) for k, _ in sig[1]], dtype=torch.float64)
-    return Fingerprint(sig, tuple(spectra), norms)
+    return SpectralFingerprint(sig, tuple(spectra), norms)
