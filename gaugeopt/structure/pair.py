@@ -173,6 +173,11 @@ class GaugePair:
     @staticmethod
     def of(site: "AttentionSite", kind: str) -> "GaugePair":
         """The pair ``kind`` of ``site`` (prefer :meth:`gaugeopt.AttentionSite.pair`)."""
+        if kind == "qk" and site.qk_norm is not None:
+            raise GaugeError(
+                f"{site.name} normalises queries and keys per head (QK-norm, {site.qk_norm.kind}): GL(d_k) on W_Q/W_K "
+                "is not a symmetry of it; its Q/K gauge acts on the norm's gains (the 'qk_gain' pair, docs/qk_norm.md)"
+            )
         if kind == "qk":
             q, k = site.q, site.k
             return GaugePair(

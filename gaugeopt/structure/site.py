@@ -57,7 +57,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.structure.pair import GaugePair
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 
-__all__ = ["TensorRef", "Projection", "AttentionSite"]
+__all__ = ["TensorRef", "Projection", "QKNorm", "AttentionSite"]
 
 @dataclass(frozen=True)
 class TensorRef:
@@ -127,6 +127,50 @@ class Projection:
                 yield role, ref
 
 
+QK_NORM_KINDS = ("rms", "layer")
+QK_NORM_SCOPES = ("head", "full")
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """Per-head normalisation of queries and keys (QK-norm), as the attention module applies it.
+
+    The norm removes most of ``GL(d_k)`` from the Q/K gauge and leaves a gauge on its *gains*
+    instead (``docs/qk_norm.md``); a site that records one exposes that gauge as the pair
+    ``"qk_gain"`` and refuses the dense ``"qk"`` pair.
+
+    Attributes:
+        kind: ``"rms"`` (RMSNorm) or ``"layer"`` (LayerNorm: centred, with a bias).
+        q_gain, k_gain: the gains in canonical layout ``(groups, d_k)``: ``(1, d_k)`` when one gain
+            vector is shared by every head (Qwen3, Gemma 3, timm), ``(h, d_k)`` / ``(h_kv, d_k)``
+            when every head has its own (OLMo 2's full-width norm).
+        q_bias, k_bias: LayerNorm biases, laid out like the gains (``None`` for RMSNorm).
+        eps: the norm's epsilon (> 0 in every model in use: a per-head scalar on ``W_Q`` is then
+            not a symmetry).
+        gain_offset: the gain is ``gain_offset + stored`` (Gemma stores ``w`` and scales by ``1 + w``).
+        scope: ``"head"`` (normalised over the ``d_k`` channels of each head) or ``"full"`` (over all
+            ``h·d_k`` query channels and all ``h_kv·d_k`` key channels at once, OLMo 2).
+        before_rope: the norm acts before RoPE (every model in use), so a gain rescale must be
+            constant on each RoPE plane; after RoPE it may vary per channel.
+    """
+
+    kind: str
+    q_gain: TensorRef | None
+    k_gain: TensorRef | None
+    q_bias: TensorRef | None = None
+    k_bias: TensorRef | None = None
+    eps: float = 1e-6
+    gain_offset: float = 0.0
+    scope: str = "head"
+    before_rope: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in QK_NORM_KINDS:
+            raise GaugeError(f"QKNorm.kind={self.kind!r} is not one of {QK_NORM_KINDS}")
+        if self.scope not in QK_NORM_SCOPES:
+            raise GaugeError(f"QKNorm.scope={self.scope!r} is not one of {QK_NORM_SCOPES}")
+
+
 @dataclass
 class AttentionSite:
     """One attention layer: its projections, head structure and position encoding.
@@ -139,6 +183,8 @@ class AttentionSite:
         rope: the RoPE convention of the queries/keys.
         kind: which adapter built the record (``"gpt"``, ``"hf_gpt2"``, ``"hf_llama"``, ...).
         layer_index: position of this site in ``find_attention``'s list.
+        features: what the adapter saw (``"gqa"``, ``"fused_qkv"``, ``"rope_split_half"``, ...).
+        qk_norm: the per-head Q/K normalisation, or ``None``.
     """
 
     name: str
@@ -156,6 +202,7 @@ class AttentionSite:
     kind: str = "manual"
     layer_index: int = 0
     features: tuple[str, ...] = field(default_factory=tuple)
+    qk_norm: QKNorm | None = None
 
     def __post_init__(self) -> None:
         if self.h <= 0 or self.h_kv <= 0 or self.h % self.h_kv:
