@@ -1,21 +1,13 @@
-"""An Accelerator per test: Accelerate keeps process-wide singletons (AcceleratorState,
-GradientState) that remember the first settings; each test gets fresh ones and leaves none."""
+"""A fresh Accelerator: Accelerate keeps process-wide singletons (AcceleratorState, GradientState)
+that remember the settings and the dataloader state of the last run in the process."""
 
 from __future__ import annotations
 
-import pytest
 
-
-@pytest.fixture
-def make_accelerator():
-    accelerate = pytest.importorskip("accelerate")
+def fresh_accelerator(**kw):
+    from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
-    def make(**kw):
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
-        return accelerate.Accelerator(cpu=True, **kw)
-
-    yield make
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+    return Accelerator(cpu=True, **kw)

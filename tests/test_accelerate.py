@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gaugeopt
-from accelerate_helpers import make_accelerator  # noqa: F401  (a fixture)
+from accelerate_helpers import fresh_accelerator
 from gaugeopt.models import GPT, GPTConfig
 
 pytest.importorskip("accelerate")
@@ -40,12 +40,12 @@ def _loop(accelerator, model, optimizer, batches, inf_at=(), after_step=None):
             optimizer.zero_grad()
 
 
-def test_fix_only_wrapper_before_prepare_equals_the_bare_loop_with_gauge_fix(make_accelerator):
+def test_fix_only_wrapper_before_prepare_equals_the_bare_loop_with_gauge_fix():
     """12 micro-batches, accumulation 2, bf16 autocast: the wrapper steps 6 times and fixes after
     steps 3 and 6; the bare loop calling gauge_fix(model, inner) after its 3rd and 6th real step
     ends bit-identical."""
     batches = _batches(12)
-    acc = make_accelerator(gradient_accumulation_steps=2, mixed_precision="bf16")
+    acc = fresh_accelerator(gradient_accumulation_steps=2, mixed_precision="bf16")
     model = _model()
     opt = gaugeopt.GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
                                   project=None, fix_every=3)
@@ -54,7 +54,7 @@ def test_fix_only_wrapper_before_prepare_equals_the_bare_loop_with_gauge_fix(mak
     assert opt.state_dict()["gauge_projected"]["step"] == 6 and opt.state_dict()["gauge_projected"]["fixes"] == 2
     assert opt.last_report.max_drift_before > 1e-4 and gaugeopt.qk_drift(model) <= 1e-6
 
-    acc = make_accelerator(gradient_accumulation_steps=2, mixed_precision="bf16")
+    acc = fresh_accelerator(gradient_accumulation_steps=2, mixed_precision="bf16")
     ref = _model()
     inner = torch.optim.AdamW(gaugeopt.lrm_param_groups(ref, "B", lr=1e-2))
     rmodel, ropt = acc.prepare(ref, inner)
@@ -71,7 +71,7 @@ def test_fix_only_wrapper_before_prepare_equals_the_bare_loop_with_gauge_fix(mak
         assert torch.equal(p, q), n
 
 
-def test_skipped_steps_and_save_state(make_accelerator, tmp_path):
+def test_skipped_steps_and_save_state(tmp_path):
     """A GradScaler on the Accelerator (CUDA fp16 has one; CPU gets it by hand): the overflowing
     accumulation window of micro-batch 6 is skipped (step_was_skipped), the wrapper counts 5 of
     6 steps and fixes after real steps 2 and 4; accelerator.save_state after micro-batch 8 and
@@ -79,7 +79,7 @@ def test_skipped_steps_and_save_state(make_accelerator, tmp_path):
     batches = _batches(12, seed=1)
 
     def setup():
-        acc = make_accelerator(gradient_accumulation_steps=2)
+        acc = fresh_accelerator(gradient_accumulation_steps=2)
         acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         model = _model()
         opt = gaugeopt.GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,

@@ -11,7 +11,6 @@ on CUDA) so that overflowing steps can be skipped as they are there.
 
 from __future__ import annotations
 
-import copy
 import importlib.util
 import io
 import pathlib

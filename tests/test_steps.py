@@ -14,7 +14,7 @@ from gaugeopt import GaugeError
 from gaugeopt.fix.transport import unwrap_optimizer
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizer
 from gaugeopt.models import GPT, GPTConfig
-from accelerate_helpers import make_accelerator  # noqa: F401  (a fixture)
+from accelerate_helpers import fresh_accelerator
 
 VOCAB, T = 32, 12
 
@@ -59,12 +59,13 @@ def _split(model):
     return torch.optim.AdamW([p for p in model.parameters() if p is not wte], lr=1e-2), torch.optim.Adam([wte], lr=1e-2)
 
 
-def test_gauge_fix_looks_through_wrappers_to_the_state_it_transports(make_accelerator):
+def test_gauge_fix_looks_through_wrappers_to_the_state_it_transports():
     """gauge_fix(model, wrapper) transports the Adam moments exactly as gauge_fix(model, inner):
     for Accelerate's AcceleratedOptimizer and GaugeProjected (optimizers whose state is the inner
     one's and whose class has no state rule) and for a container holding one optimizer; a
     container of two names the problem."""
-    accelerator = make_accelerator()
+    pytest.importorskip("accelerate")
+    accelerator = fresh_accelerator()
     x = _batches(1)[0]
     results = []
     for wrap in (lambda o, m: o, lambda o, m: accelerator.prepare_optimizer(o),
@@ -88,8 +89,9 @@ def test_gauge_fix_looks_through_wrappers_to_the_state_it_transports(make_accele
         gaugeopt.gauge_fix(model, Container(_split(model)))
 
 
-def test_owning_optimizer_watches_the_optimizer_behind_accelerate_and_inside_containers(make_accelerator):
-    accelerator = make_accelerator()
+def test_owning_optimizer_watches_the_optimizer_behind_accelerate_and_inside_containers():
+    pytest.importorskip("accelerate")
+    accelerator = fresh_accelerator()
     model = _model()
     fix = FixSteps(every=1)
     fix.bind(model)

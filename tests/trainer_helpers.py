@@ -3,14 +3,11 @@ Hugging Face Trainer tests (built from a config: no hub access)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import transformers
 
 import gaugeopt
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB, T = 64, 16
 
 
