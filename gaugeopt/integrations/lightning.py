@@ -7,8 +7,9 @@
 * :class:`GaugeMonitor` — measures only (drift, scale product, vertical fraction of the last
   update) every ``every`` optimizer steps; cheap enough to leave on.
 
-All three call the framework-free cores (:func:`gaugeopt.gauge_fix`,
-:mod:`gaugeopt.projection.projector`, :func:`gaugeopt.vertical_fraction`); nothing is re-implemented here.
+All three call the framework-free cores (:mod:`gaugeopt.integrations.steps` for the step counting,
+the fix and the projection — shared with the Hugging Face Trainer callbacks —,
+:func:`gaugeopt.vertical_fraction`); nothing is re-implemented here.
 
 **Counting optimizer steps.** The callbacks attach ``register_step_post_hook`` to the
 optimizer(s) holding the attention parameters, so they count the steps the optimizer really
