@@ -29,4 +29,5 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
 
 
 def test_every_page_with_code_is_covered():
-    assert {"gaugefix.md", "projection.md", "model_tools.md", "lightning.md"} <= {p.name for p in PAGES if _blocks(p)}
+    assert {"gaugefix.md", "projection.md", "model_tools.md", "lightning.md", "integrations.md"} <= {
+        p.name for p in PAGES if _blocks(p)}

@@ -348,3 +348,144 @@ def test_lightning_configure_optimizers():
     assert opt.state_dict()["gauge_projected"]["step"] == 4
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
     assert len(lit.fractions) == 4 and min(lit.fractions) > 1e-3
+
+
+# ---------------------------------------------------------------------- project=None: GaugeFix alone
+def _lrm_gqa(seed=2):
+    return _model(dtype=torch.float32, lrm=True, seed=seed)
+
+
+def test_fix_only_leaves_everything_but_the_qk_multipliers_bit_identical():
+    """project=None, fix_every=3, 30 steps fed the same gradients as a bare AdamW: every parameter
+    and every optimizer state entry outside r_Q, r_K is bit-identical to the bare run's; r_Q, r_K
+    are rescaled (their drift is ~0 after each fix) and their Adam moments transported."""
+    model = _lrm_gqa()
+    ref = copy.deepcopy(model)
+    opt = GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
+                         project=None, fix_every=3)
+    ref_opt = torch.optim.AdamW(gaugeopt.lrm_param_groups(ref, "B", lr=1e-2))
+    qk = gaugeopt.structure.lrm.qk_multiplier_names(model)
+    g = torch.Generator().manual_seed(3)
+    for step in range(1, 31):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+        if step % 3 == 0:
+            assert opt.last_report.max_drift_before > 1e-3 and gaugeopt.qk_drift(model) <= 1e-6
+    assert opt.state_dict()["gauge_projected"]["fixes"] == 10
+    ref_params = dict(ref.named_parameters())
+    moved = 0
+    for n, p in model.named_parameters():
+        q = ref_params[n]
+        if n in qk:
+            moved += int(not torch.equal(p, q))
+            continue
+        assert torch.equal(p, q), n
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, ref_opt.state[q][key]), (n, key)
+    assert moved == len(qk) == 4
+
+
+def test_fix_only_equals_the_bare_optimizer_with_gauge_fix_after_every_nth_step():
+    """Real training: the wrapper is the bare optimizer plus gauge_fix(model, inner) after steps
+    4, 8, ... — every parameter bit-identical, with an LR scheduler on the wrapper."""
+    batches = _batches(12, seed=6)
+
+    def make():
+        model = _lrm_gqa()
+        inner = torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2))
+        return model, inner, torch.optim.lr_scheduler.StepLR(inner, step_size=5, gamma=0.5)
+
+    model, inner, _ = make()
+    opt = GaugeProjected(inner, model, project=None, fix_every=4)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
+    _train(model, opt, batches, sched)
+    ref, ref_opt, ref_sched = make()
+    for k, x in enumerate(batches, 1):
+        ref_opt.zero_grad()
+        ref(x, x.roll(-1, 1))[1].backward()
+        ref_opt.step()
+        if k % 4 == 0:
+            gaugeopt.gauge_fix(ref, ref_opt)
+        ref_sched.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    assert opt.state_dict()["gauge_projected"]["fixes"] == 3 and opt.last_vertical_fraction != opt.last_vertical_fraction
+
+
+def test_fix_only_with_grad_scaler_counts_real_steps_and_resumes_bit_identically():
+    """scaler.step(opt) skips the overflowing steps 3 and 7: the wrapper counts 8 of 10 and fixes
+    after real steps 4 and 8 (iterations 5 and 10); a copy restored from the state dict after
+    iteration 6 (5 real steps) ends identical — with a forgotten counter it would not fix at 10."""
+    batches = _batches(10, seed=8)
+
+    def make():
+        model = _lrm_gqa()
+        opt = GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
+                             project=None, fix_every=4)
+        return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**8)
+
+    def run(model, opt, scaler, ks):
+        for k in ks:
+            x = batches[k - 1]
+            opt.zero_grad()
+            scaler.scale(model(x, x.roll(-1, 1))[1]).backward()
+            if k in (3, 7):
+                next(model.parameters()).grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+
+    model, opt, scaler = make()
+    run(model, opt, scaler, range(1, 11))
+    own = opt.state_dict()["gauge_projected"]
+    assert (own["step"], own["fixes"], own["project"]) == (8, 2, None)
+
+    half, half_opt, half_scaler = make()
+    run(half, half_opt, half_scaler, range(1, 7))
+    buf = io.BytesIO()
+    torch.save({"model": half.state_dict(), "opt": half_opt.state_dict(), "scaler": half_scaler.state_dict()}, buf)
+    resumed, resumed_opt, resumed_scaler = make()
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    resumed.load_state_dict(ck["model"])
+    resumed_opt.load_state_dict(ck["opt"])
+    resumed_scaler.load_state_dict(ck["scaler"])
+    assert resumed_opt.state_dict()["gauge_projected"]["step"] == 5
+    run(resumed, resumed_opt, resumed_scaler, range(7, 11))
+    for (n, p), q in zip(model.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), n
+    assert resumed_opt.state_dict()["gauge_projected"] == own
+
+
+def test_fix_only_refusals():
+    model = _lrm_gqa()
+    inner = torch.optim.AdamW(model.parameters())
+    with pytest.raises(GaugeError, match="fix_every=None does nothing"):
+        GaugeProjected(inner, model, project=None)
+    with pytest.raises(GaugeError, match="project=None turns off"):
+        GaugeProjected(inner, model, project=None, fix_every=2, rtol=1e-3)
+    with pytest.raises(GaugeError, match="fix_every"):
+        GaugeProjected(inner, model, project=None, fix_every=True)
+    # the fix's options and the optimizer are checked at construction, not at step N
+    with pytest.raises(GaugeError, match="granularity"):
+        GaugeProjected(inner, model, project=None, fix_every=2, fix_kwargs={"granularity": "row"})
+    with pytest.raises(GaugeError, match="steps none of the"):
+        GaugeProjected(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), model, project=None, fix_every=2)
+
+
+def test_grad_mode_reports_the_fraction_of_the_gradient_it_received():
+    """last_vertical_fraction = ‖Π_vert g‖/‖g‖ of the gradient before projection (not of what is left)."""
+    model = _model()
+    proj = GaugeProjector(model)
+    opt = GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1), model, project="grad")
+    g = torch.Generator().manual_seed(1)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    expected = gaugeopt.vertical_fraction(model, {n: p.grad.clone() for n, p in model.named_parameters()
+                                                  if n in set(proj.param_names())}, projector=proj)
+    opt.step()
+    assert expected > 0.1 and opt.last_vertical_fraction == pytest.approx(expected, rel=1e-9)

@@ -29,9 +29,9 @@ chooses (``unknown_state``):
   for a fused parameter this resets the whole tensor, e.g. all of ``c_attn``);
 * ``"leave"``: keep the stale state (what the paper did; biased right after every fix).
 
-Wrappers that are not :class:`torch.optim.Optimizer` instances (Lightning's
-``LightningOptimizer``) are unwrapped through ``.optimizer`` / ``._optimizer``. Teach a new
-optimizer with :func:`register_state_rule`.
+Wrappers are looked through (:func:`unwrap_optimizer`): Lightning's ``LightningOptimizer``,
+Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`, torchtitan's
+one-optimizer ``OptimizersContainer``. Teach a new optimizer with :func:`register_state_rule`.
 
 The factor ``s`` is given in *storage layout*, broadcastable against the parameter
 (:func:`storage_factor` builds it from a factor in a :class:`~gaugeopt.structure.site.TensorRef`'s
@@ -106,17 +106,39 @@ register_state_rule(torch.optim.Adagrad, {"sum": 2})
 
 
 def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
-    """The :class:`torch.optim.Optimizer` holding the state (through ``.optimizer``/``._optimizer``)."""
-    seen = 0
-    while not isinstance(optimizer, torch.optim.Optimizer):
+    """The :class:`torch.optim.Optimizer` holding the state.
+
+    Follows ``.optimizer`` / ``._optimizer`` through wrappers: objects that are not optimizers
+    (Lightning's ``LightningOptimizer``) and optimizers whose ``state`` *is* the wrapped one's
+    (Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`). A container holding
+    its optimizers in ``.optimizers`` (torchtitan's ``OptimizersContainer``) resolves to its one
+    optimizer; with several, pass the one that steps the parameters (a container's own ``state``
+    is empty: nothing would be transported).
+    """
+    for _ in range(9):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            inner = getattr(optimizer, "optimizer", None)
+            if isinstance(inner, torch.optim.Optimizer) and optimizer.state is inner.state:
+                optimizer = inner
+                continue
+            parts = getattr(optimizer, "optimizers", None)
+            if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
+                if len(parts) > 1:
+                    raise GaugeError(
+                        f"optimizer={type(optimizer).__qualname__} holds {len(parts)} optimizers in .optimizers; pass "
+                        "the one that steps the attention parameters (its own state is empty)"
+                    )
+                optimizer = parts[0]
+                continue
+            return optimizer
         inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if inner is None or seen > 8:
-            raise GaugeError(
-                f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none "
-                "(looked for .optimizer and ._optimizer); pass the optimizer that holds the state"
-            )
-        optimizer, seen = inner, seen + 1
-    return optimizer
+        if inner is None:
+            break
+        optimizer = inner
+    raise GaugeError(
+        f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none "
+        "(looked for .optimizer and ._optimizer); pass the optimizer that holds the state"
+    )
 
 
 def state_rule(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:

@@ -1,4 +1,7 @@
-"""gaugeopt inside training stacks: the optimizer wrapper, Lightning callbacks, torchmetrics.
+"""gaugeopt inside training stacks: the optimizer wrapper, the framework-free step core, Lightning
+and Hugging Face Trainer callbacks, torchmetrics.
 
-Each module imports its framework (Lightning, torchmetrics) on import; the core never does.
+``optim`` (:class:`gaugeopt.GaugeProjected`) and ``steps`` (counting real optimizer steps, the
+GaugeFix and projection actions) import only torch. ``lightning``, ``transformers`` and
+``metrics`` import their framework on import; the core never imports them.
 """

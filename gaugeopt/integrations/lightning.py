@@ -7,8 +7,9 @@
 * :class:`GaugeMonitor` — measures only (drift, scale product, vertical fraction of the last
   update) every ``every`` optimizer steps; cheap enough to leave on.
 
-All three call the framework-free cores (:func:`gaugeopt.gauge_fix`,
-:mod:`gaugeopt.projection.projector`, :func:`gaugeopt.vertical_fraction`); nothing is re-implemented here.
+All three call the framework-free cores (:mod:`gaugeopt.integrations.steps` for the step counting,
+the fix and the projection — shared with the Hugging Face Trainer callbacks —,
+:func:`gaugeopt.vertical_fraction`); nothing is re-implemented here.
 
 **Counting optimizer steps.** The callbacks attach ``register_step_post_hook`` to the
 optimizer(s) holding the attention parameters, so they count the steps the optimizer really
@@ -37,7 +38,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -46,135 +47,49 @@ from typing_extensions import override
 
 from gaugeopt.fix.drift import drift_table, product_stats, worst
 from gaugeopt.fix.gaugefix import GaugeFixer
-from gaugeopt.fix.plan import MODES, check_choice, check_fix_options
-from gaugeopt.errors import GaugeError
+from gaugeopt.fix.plan import MODES, check_choice
+from gaugeopt.integrations.steps import FixSteps, ProjectSteps, StepCounter, owning_optimizer
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.registry import find_attention
 
 __all__ = ["GaugeFix", "GaugeMonitor", "GaugeProjection"]
 
 
-def _check_every(every: Any) -> int:
-    if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
-        raise GaugeError(f"every={every!r} must be a positive integer number of optimizer steps")
-    return every
-
-
-class _StepCounter(Callback):
-    """Shared machinery: find the sites at ``setup``, hook the optimizer(s) owning them at
-    ``on_fit_start``, count their steps, log pending metrics at ``on_train_batch_end``."""
-
-    every: int
-
-    def __init__(self, every: int, sites: Sequence[AttentionSite] | None, prefix: str) -> None:
-        self.every = _check_every(every)
-        self._given_sites = None if sites is None else list(sites)
-        self.prefix = prefix
-        self.optimizer_steps = 0
-        self.sites: list[AttentionSite] = []
-        self._module: pl.LightningModule | None = None
-        self._handles: list = []
-        self._pending: dict[str, float] = {}
-
-    # -- policy ----------------------------------------------------------------------------
-    def should_run(self, step: int) -> bool:
-        """Whether to act after optimizer step ``step`` (1-based); override for other schedules."""
-        return step % self.every == 0
+class _StepCounter(StepCounter, Callback):
+    """Lightning's side of :class:`~gaugeopt.integrations.steps.StepCounter`: find the sites at
+    ``setup``, hook the optimizer owning them at ``on_fit_start``, log pending metrics at
+    ``on_train_batch_end``; counting, policy and state are the core's."""
 
     # -- hooks -----------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._module = pl_module
-        self.sites = self._given_sites if self._given_sites is not None else find_attention(pl_module)
-        self._validate(self.sites)
-
-    def _validate(self, sites: list[AttentionSite]) -> None:  # pragma: no cover - overridden
-        pass
+        self.bind(pl_module)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._check_conflicts(trainer)
-        self._optimizer = self._owning_optimizer(trainer)
-        self._remove_hooks()
-        self._handles.append(self._optimizer.register_step_pre_hook(self._pre_step))
-        self._handles.append(self._optimizer.register_step_post_hook(self._post_step))
-
-    def _check_conflicts(self, trainer: pl.Trainer) -> None:
-        pass
-
-    def _owning_optimizer(self, trainer: pl.Trainer) -> torch.optim.Optimizer:
-        """The one optimizer that steps the attention parameters. Split over several, a fix would
-        transport only one optimizer's state and a projection would see only part of the step."""
-        wanted = {id(ref.param) for s in self.sites for _, ref in s.refs()}
-        owners = [
-            opt for opt in trainer.optimizers
-            if wanted & {id(p) for g in opt.param_groups for p in g["params"]}
-        ]
-        if not owners:
-            raise GaugeError(
-                f"{type(self).__name__}: no optimizer of this run updates the attention parameters it watches "
-                f"({len(wanted)} tensors in {len(self.sites)} layers); check configure_optimizers"
-            )
-        if len(owners) > 1:
-            raise GaugeError(
-                f"{type(self).__name__}: the attention parameters are split over {len(owners)} optimizers; keep every "
-                "Q/K/V/O tensor (weights, biases, multipliers) in one optimizer (other parameters may use others)"
-            )
-        return owners[0]
-
-    def _pre_step(self, optimizer, args, kwargs) -> None:
-        pass
-
-    def _post_step(self, optimizer, args, kwargs) -> None:
-        self.optimizer_steps += 1
-        if self.should_run(self.optimizer_steps):
-            self._pending.update(self._act(optimizer))
-
-    def _act(self, optimizer) -> dict[str, float]:  # pragma: no cover - overridden
-        return {}
+        self.check_conflicts(trainer.optimizers)
+        self.attach(owning_optimizer(trainer.optimizers, self.watched_params(), type(self).__name__))
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self._pending:
-            pl_module.log_dict(self._pending, on_step=True, on_epoch=False, sync_dist=False)
-            self._pending = {}
+        metrics = self.pop_metrics()
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer_steps": self.optimizer_steps}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer_steps = int(state_dict["optimizer_steps"])
+        self.detach()
 
 
-class GaugeFix(_StepCounter):
+class GaugeFix(FixSteps, _StepCounter):
     """Apply GaugeFix-LRM (:func:`gaugeopt.gauge_fix`) after every ``every``-th optimizer step.
 
-    Args:
-        every: fix after optimizer steps ``every, 2·every, ...`` (paper 002: 1, 10, 100, 1000;
-            100 gave the best validation loss).
-        granularity: ``"auto"`` (per RoPE plane under RoPE, per head otherwise), ``"head"``,
-            ``"channel"`` (refused under RoPE, at ``setup``) or ``"plane"``.
-        transport_state: transport Adam/SGD state with the rescale (``False``: paper 002's setting).
-        vo, vo_granularity: also balance V/O.
-        mode: ``"auto"``, ``"lrm"`` or ``"plain"`` (see :func:`gaugeopt.gauge_fix`).
-        unknown_state: policy for optimizers without a state rule: ``"error"``, ``"reset"``, ``"leave"``.
-        product_decay, product_max: magnitude control of ``s_Q·s_K`` (changes the function on purpose).
-        sites: attention sites (default: ``find_attention(pl_module)`` at ``setup``).
-        log_per_layer: also log per-layer drift and scale product.
-        prefix: metric name prefix.
+    Arguments as :class:`gaugeopt.integrations.steps.FixSteps` (``every=100``, ``granularity``,
+    ``transport_state``, ``vo``, ``mode``, ``unknown_state``, ``product_decay``/``product_max``,
+    ``sites`` — default ``find_attention(pl_module)`` at ``setup`` —, ``log_per_layer``, ``prefix``);
+    ``granularity="channel"`` on a RoPE model is refused at ``setup``.
 
     Logged (at the batch of each fix): ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
     ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}fixes`` (and ``vo_*`` with ``vo=True``).
@@ -184,69 +99,6 @@ class GaugeFix(_StepCounter):
         >>> GaugeFix(every=100).every
         100
     """
-
-    def __init__(
-        self,
-        every: int = 100,
-        granularity: str = "auto",
-        *,
-        transport_state: bool = True,
-        vo: bool = False,
-        vo_granularity: str = "head",
-        mode: str = "auto",
-        unknown_state: str = "error",
-        product_decay: float | None = None,
-        product_max: float | None = None,
-        sites: Sequence[AttentionSite] | None = None,
-        log_per_layer: bool = False,
-        prefix: str = "gauge/",
-    ) -> None:
-        super().__init__(every, sites, prefix)
-        check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
-                          product_decay=product_decay, product_max=product_max)
-        self.options = dict(
-            granularity=granularity, transport_state=transport_state, vo=vo, vo_granularity=vo_granularity,
-            mode=mode, unknown_state=unknown_state, product_decay=product_decay, product_max=product_max,
-        )
-        self.log_per_layer = log_per_layer
-        self.fixes = 0
-        self.last_report = None
-        self._fixer: GaugeFixer | None = None
-
-    def _validate(self, sites: list[AttentionSite]) -> None:
-        GaugeFixer(None, None, sites=sites, **{**self.options, "transport_state": False})  # plans, refusals
-
-    def _fixer_for(self, optimizer) -> GaugeFixer:
-        """One :class:`~gaugeopt.fix.gaugefix.GaugeFixer` per fit: planned once, kernel tables reused."""
-        want = optimizer if self.options["transport_state"] else None
-        if self._fixer is None or self._fixer.optimizer is not want:
-            self._fixer = GaugeFixer(None, want, sites=self.sites, **self.options)
-        return self._fixer
-
-    def _check_conflicts(self, trainer: pl.Trainer) -> None:
-        for opt in trainer.optimizers:
-            if getattr(opt, "fix_every", None):
-                raise GaugeError(
-                    f"the optimizer is a {type(opt).__name__} with fix_every={opt.fix_every} and the GaugeFix callback "
-                    "is also active: the model would be fixed twice. Use one of them (fix_every=None, or drop the callback)"
-                )
-
-    def _act(self, optimizer) -> dict[str, float]:
-        report = self._fixer_for(optimizer)()
-        self.fixes += 1
-        self.last_report = report
-        out = report.as_dict(prefix=self.prefix, per_layer=self.log_per_layer)
-        out[f"{self.prefix}fixes"] = float(self.fixes)
-        return out
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "fixes": self.fixes}
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        self.fixes = int(state_dict.get("fixes", 0))
 
     def apply(self, pl_module: pl.LightningModule | torch.nn.Module, optimizer=None):
         """Run one fix now (for manual loops); returns the :class:`~gaugeopt.fix.gaugefix.GaugeFixReport`."""
@@ -314,7 +166,7 @@ class GaugeMonitor(_StepCounter):
         return out
 
 
-class GaugeProjection(_StepCounter):
+class GaugeProjection(ProjectSteps, _StepCounter):
     """Project every optimizer step (or gradient) off the gauge orbits: the callback form of
     :class:`gaugeopt.GaugeProjected`, sharing its step functions.
 
@@ -335,68 +187,10 @@ class GaugeProjection(_StepCounter):
         'grad'
     """
 
-    def __init__(
-        self,
-        mode: str = "exact",
-        target: str = "update",
-        *,
-        sectors: str | Sequence[str] = "auto",
-        log_every: int = 50,
-        sites: Sequence[AttentionSite] | None = None,
-        prefix: str = "gauge/",
-        **projector_kwargs: Any,
-    ) -> None:
-        from gaugeopt.projection.projector import MODES as PROJECTION_MODES
-
-        super().__init__(log_every, sites, prefix)
-        check_choice("mode", mode, PROJECTION_MODES)
-        check_choice("target", target, ("update", "grad"))
-        self.mode, self.target, self.sectors = mode, target, sectors
-        self.projector_kwargs = projector_kwargs
-        self.projector = None
-        self._before: dict[str, torch.Tensor] | None = None
-
-    def _validate(self, sites: list[AttentionSite]) -> None:
-        from gaugeopt.projection.projector import GaugeProjector
-
-        # sites=None unless given: "auto" then also covers every LRM layer's internal rescalings
-        self.projector = GaugeProjector(self._module, self.sectors, self.mode, sites=self._given_sites, **self.projector_kwargs)
-
-    def _check_conflicts(self, trainer: pl.Trainer) -> None:
-        from gaugeopt.integrations.optim import GaugeProjected
-
-        for opt in trainer.optimizers:
-            if isinstance(opt, GaugeProjected):
-                raise GaugeError(
-                    "the optimizer is already a GaugeProjected and the GaugeProjection callback is also active: every "
-                    "step would be projected twice. Use one of them"
-                )
-
-    def _pre_step(self, optimizer, args, kwargs) -> None:
-        from gaugeopt.projection.step import snapshot
-
-        if self.target == "update":
-            self._before = snapshot(self.projector, self._module)
-
     @override
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # Lightning evaluates the closure (forward, backward) *inside* optimizer.step, after the
         # step pre-hooks; this hook runs once the gradients exist (accumulated, AMP-unscaled),
         # before clipping and the step.
-        from gaugeopt.projection.step import remove_vertical_grad_
-
         if self.target == "grad" and optimizer is self._optimizer:
-            self._norms = remove_vertical_grad_(self.projector, self._module)
-
-    def _post_step(self, optimizer, args, kwargs) -> None:
-        from gaugeopt.projection.step import remove_vertical_update_
-
-        if self.target == "update" and self._before is not None:
-            self._norms = remove_vertical_update_(self.projector, self._module, self._before)
-            self._before = None
-        super()._post_step(optimizer, args, kwargs)
-
-    def _act(self, optimizer) -> dict[str, float]:
-        from gaugeopt.projection.step import vertical_fraction_of
-
-        return {f"{self.prefix}vertical_fraction_{self.target}": vertical_fraction_of(self._norms)}
+            self.project_grads()

@@ -13,11 +13,23 @@ takes has a *vertical* part that moves along gauge orbits without changing the f
     project the gradients before the inner step (paper 000 Algorithm 2's use). For a
     gauge-invariant loss this removes only rounding (paper 000 Prop. 38); the update itself
     stays non-equivariant.
+``project=None`` (with ``fix_every=N``)
+    no projection: GaugeFix alone, as a drop-in for the optimizer a loop already has. The inner
+    step is taken unchanged; after every ``N``-th step the Q/K gauge is balanced and the inner
+    optimizer's state transported. Every parameter the fix does not rescale (with multipliers:
+    everything but ``r_Q``, ``r_K``) evolves bit-identically to the bare optimizer fed the same
+    gradients.
 
 Parameters outside every gauge sector (embeddings, MLPs, norms, output biases) are never
 written: they evolve bit-identically to the unwrapped optimizer. The optimizer state (Adam
-moments) is not touched. ``fix_every=N`` calls :func:`gaugeopt.gauge_fix` with the inner
-optimizer every ``N`` steps (GaugeFix-LRM, paper 002).
+moments) is not touched. ``fix_every=N`` runs GaugeFix-LRM (paper 002) with the inner optimizer
+after every ``N``-th step: one :class:`~gaugeopt.fix.gaugefix.GaugeFixer`, planned and validated
+at construction; its latest report is :attr:`GaugeProjected.last_report` (``.as_dict()`` for a logger).
+
+**Steps counted** are the steps the wrapper took: ``torch.amp.GradScaler.step`` calls
+``optimizer.step`` only when the gradients are finite, so a step skipped after an overflow
+neither counts nor fixes; with gradient accumulation the loop calls ``step`` once per ``k``
+batches. The counters travel in ``state_dict`` (a resumed run fixes at the same steps).
 
 The wrapper *is* the optimizer for the rest of the training stack: a subclass of
 ``torch.optim.Optimizer`` sharing the inner optimizer's ``param_groups``, ``state`` and
@@ -42,6 +54,15 @@ Example:
     ...     sched.step()
     >>> opt.state_dict()["gauge_projected"]["step"]
     3
+
+    GaugeFix alone, every 2 steps, with the optimizer the loop already has:
+
+    >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)))
+    >>> opt = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2), model, project=None, fix_every=2)
+    >>> for _ in range(4):
+    ...     model(x, x)[1].backward(); opt.step(); opt.zero_grad()
+    >>> opt.state_dict()["gauge_projected"]["fixes"], opt.last_report.max_drift_after < 1e-6
+    (2, True)
 """
 
 from __future__ import annotations
@@ -59,7 +80,7 @@ from gaugeopt.projection.step import remove_vertical_grad_, remove_vertical_upda
 
 __all__ = ["GaugeProjected"]
 
-_PROJECT = ("update", "grad")
+_PROJECT = ("update", "grad", None)
 _STATE_KEY = "gauge_projected"
 
 
@@ -69,9 +90,11 @@ class GaugeProjected(torch.optim.Optimizer):
     Args:
         optimizer: any ``torch.optim.Optimizer`` over (at least) the gauge parameters.
         model: the model whose attention gauges are projected out.
-        project: ``"update"`` (project the step actually taken) or ``"grad"``.
+        project: ``"update"`` (project the step actually taken), ``"grad"``, or ``None`` (no
+            projection: GaugeFix alone; needs ``fix_every``).
         mode: ``"exact"`` (Sylvester) or ``"approx"`` (paper 000 Algorithm 2).
-        fix_every: run ``gaugeopt.gauge_fix(model, optimizer=inner)`` every this many steps.
+        fix_every: run GaugeFix (``gaugeopt.gauge_fix(model, optimizer=inner, **fix_kwargs)``)
+            after every this many steps.
         sectors: ``"auto"`` or a subset of :data:`gaugeopt.projection.projector.SECTORS`.
         sites: attention sites to project (default all).
         fix_kwargs: extra keyword arguments for ``gauge_fix``.
@@ -80,8 +103,10 @@ class GaugeProjected(torch.optim.Optimizer):
 
     Attributes:
         last_vertical_fraction: ``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient),
-            over the gauge parameters; ``nan`` before the first step (read lazily: no host
-            synchronisation in the step itself).
+            over the gauge parameters; ``nan`` before the first step and with ``project=None``
+            (read lazily: no host synchronisation in the step itself).
+        last_report: the :class:`~gaugeopt.fix.report.GaugeFixReport` of the latest fix (``None``
+            before the first).
     """
 
     _step_supports_amp_scaling = False  # GradScaler unscales and skips inf steps for us
@@ -105,9 +130,21 @@ class GaugeProjected(torch.optim.Optimizer):
             raise GaugeError("GaugeProjected: the optimizer is already wrapped; wrap the inner optimizer once")
         if project not in _PROJECT:
             raise GaugeError(f"GaugeProjected: project={project!r} is not one of {_PROJECT}")
+        if project is None:
+            if fix_every is None:
+                raise GaugeError(
+                    "GaugeProjected: project=None (no projection) with fix_every=None does nothing; pass fix_every=N "
+                    "to run GaugeFix after every N-th step, or project='update'"
+                )
+            extra = [*projector_kwargs] + (["sectors"] if sectors != "auto" else [])
+            if extra:
+                raise GaugeError(
+                    f"GaugeProjected: {extra} configure the projection, which project=None turns off; drop them or "
+                    "pass project='update'"
+                )
         if mode not in MODES:
             raise GaugeError(f"GaugeProjected: mode={mode!r} is not one of {MODES}")
-        if fix_every is not None and (not isinstance(fix_every, int) or fix_every < 1):
+        if fix_every is not None and (isinstance(fix_every, bool) or not isinstance(fix_every, int) or fix_every < 1):
             raise GaugeError(f"GaugeProjected: fix_every={fix_every!r} must be a positive integer or None")
         if project == "grad" and isinstance(optimizer, torch.optim.LBFGS):
             raise GaugeError(
@@ -124,9 +161,13 @@ class GaugeProjected(torch.optim.Optimizer):
         self._steps = 0
         self._fixes = 0
         self._last = None
+        self.last_report = None
         self._projector: GaugeProjector | None = None
         self._fixer: GaugeFixer | None = None
-        self._check_coverage()
+        if project is not None:
+            self._check_coverage()
+        if fix_every is not None:
+            self._fixer = self._make_fixer()  # plans the fix, checks its options and the optimizer now, not at step N
 
     # ------------------------------------------------------------------ torch.optim.Optimizer plumbing
     # The inner optimizer holds param_groups, state and defaults; the wrapper delegates to it. The
@@ -198,9 +239,12 @@ class GaugeProjected(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:  # type: ignore[override]
-        """One inner step, projected; ``closure`` re-evaluates the loss as for any optimizer."""
-        proj = self.projector
-        if self.project == "update":
+        """One inner step, projected (unless ``project=None``), then GaugeFix when ``fix_every``
+        says so; ``closure`` re-evaluates the loss as for any optimizer."""
+        if self.project is None:
+            loss = self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+        elif self.project == "update":
+            proj = self.projector
             before = snapshot(proj, self.model)
             loss = self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
             self._last = remove_vertical_update_(proj, self.model, before)
@@ -209,7 +253,7 @@ class GaugeProjected(torch.optim.Optimizer):
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
-            self._last = remove_vertical_grad_(proj, self.model)
+            self._last = remove_vertical_grad_(self.projector, self.model)
             self.optimizer.step(**kwargs)
         self._steps += 1
         if self.fix_every is not None and self._steps % self.fix_every == 0:
@@ -221,21 +265,25 @@ class GaugeProjected(torch.optim.Optimizer):
         """``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient) over the gauge parameters."""
         return math.nan if self._last is None else vertical_fraction_of(self._last)
 
+    def _make_fixer(self) -> GaugeFixer:
+        kwargs = dict(self.fix_kwargs)
+        if self.sites is not None:
+            kwargs.setdefault("sites", self.sites)
+        return GaugeFixer(self.model, self.optimizer, **kwargs)
+
     @property
     def fixer(self) -> GaugeFixer:
-        """The :class:`~gaugeopt.fix.gaugefix.GaugeFixer` ``fix`` calls (built on first use)."""
+        """The :class:`~gaugeopt.fix.gaugefix.GaugeFixer` ``fix`` calls (built at construction
+        with ``fix_every``, else on first use)."""
         if self._fixer is None:
-            kwargs = dict(self.fix_kwargs)
-            if self.sites is not None:
-                kwargs.setdefault("sites", self.sites)
-            self._fixer = GaugeFixer(self.model, self.optimizer, **kwargs)
+            self._fixer = self._make_fixer()
         return self._fixer
 
     def fix(self):
         """Run ``gaugeopt.gauge_fix(model, optimizer=inner, **fix_kwargs)`` now; returns its report."""
-        report = self.fixer()
+        self.last_report = self.fixer()
         self._fixes += 1
-        return report
+        return self.last_report
 
     # ------------------------------------------------------------------ state
     def _own_state(self) -> dict:
@@ -308,6 +356,7 @@ class GaugeProjected(torch.optim.Optimizer):
         torch.optim.Optimizer.__setstate__(self, state)  # restores hooks and the step patch
         self._projector = None
         self._fixer = None
+        self.last_report = None
 
     def __repr__(self) -> str:
         inner = "\n".join("    " + line for line in repr(self.optimizer).splitlines())

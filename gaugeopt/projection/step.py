@@ -67,10 +67,11 @@ def remove_vertical_grad_(proj: GaugeProjector, model: nn.Module):
     params = dict(model.named_parameters())
     grads = {n: params[n].grad for n in proj.param_names()}
     vert = proj.vertical(grads)
+    norms = squared_norms(vert, grads)  # of g itself: the loop below updates these tensors in place
     for n, v in vert.items():
         p = params[n]
         if p.grad is None:
             p.grad = -v.to(p.dtype)
         else:
             p.grad.sub_(v.to(p.grad.dtype))
-    return squared_norms(vert, grads)
+    return norms

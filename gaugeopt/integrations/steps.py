@@ -1,0 +1,427 @@
+"""Acting after real optimizer steps: the framework-free core of every training-loop integration.
+
+The Lightning callbacks (:mod:`gaugeopt.integrations.lightning`), the Hugging Face Trainer
+callbacks (:mod:`gaugeopt.integrations.transformers`) and loops written by hand (torchtitan,
+``docs/integrations.md``) all do the same four things, implemented here once:
+
+* **which optimizer** — :func:`owning_optimizer`: the one optimizer that steps the attention
+  parameters. Wrappers whose ``step()`` runs even when nothing is stepped are looked through
+  (Accelerate's ``AcceleratedOptimizer`` reports ``step_was_skipped``; the optimizer it wraps is
+  watched), and so are containers of optimizers (torchtitan's ``OptimizersContainer.optimizers``).
+* **counting real steps** — :class:`StepCounter` attaches ``register_step_pre_hook`` /
+  ``register_step_post_hook`` to that optimizer, so it counts the steps it really takes: a
+  ``GradScaler`` that finds inf/NaN gradients does not call ``optimizer.step`` (no count, no
+  action), gradient accumulation calls it once per ``k`` batches.
+* **acting every N** — after every ``every``-th step (:meth:`StepCounter.should_run`) it acts in
+  the post-hook, right after the step and before gradients are zeroed; the metrics wait in
+  :meth:`StepCounter.pop_metrics` for the framework's logger.
+* **checkpoints** — ``state_dict()`` holds the counters only; ``load_state_dict`` restores them,
+  so a resumed run acts at the same steps as an uninterrupted one.
+
+:class:`FixSteps` runs GaugeFix-LRM (one :class:`~gaugeopt.fix.gaugefix.GaugeFixer`, planned once)
+after every ``every``-th step; :class:`ProjectSteps` projects every step with the functions of
+:mod:`gaugeopt.projection.step` that :class:`gaugeopt.GaugeProjected` uses.
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.integrations.steps import FixSteps
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    >>> model = gaugeopt.apply_lrm(GPT(cfg))
+    >>> opt = torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2))
+    >>> fix = FixSteps(every=2).watch(model, opt)          # hooks opt; nothing else to call
+    >>> x = torch.randint(0, 64, (2, 16))
+    >>> for _ in range(4):
+    ...     model(x, x)[1].backward(); opt.step(); opt.zero_grad()
+    >>> fix.state_dict(), gaugeopt.qk_drift(model) < 1e-6, sorted(fix.pop_metrics())[:2]
+    ({'optimizer_steps': 4, 'fixes': 2}, True, ['gauge/fixes', 'gauge/heads_fixed'])
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.errors import GaugeError
+from gaugeopt.fix.gaugefix import GaugeFixer
+from gaugeopt.fix.plan import check_choice, check_fix_options
+from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure.site import AttentionSite
+
+__all__ = ["check_every", "owning_optimizer", "StepCounter", "FixSteps", "ProjectSteps"]
+
+
+def check_every(every: Any, name: str = "every") -> int:
+    """``every`` as a positive number of optimizer steps, or :class:`GaugeError` naming it."""
+    if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+        raise GaugeError(f"{name}={every!r} must be a positive integer number of optimizer steps")
+    return every
+
+
+def _watched(optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers whose ``step`` runs exactly when a step is taken, behind ``optimizer``."""
+    for _ in range(9):
+        if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "step_was_skipped"):
+            parts = getattr(optimizer, "optimizers", None)
+            if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
+                return [w for part in parts for w in _watched(part)]
+            return [optimizer]
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            break
+        optimizer = inner
+    raise GaugeError(
+        f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none (looked for "
+        ".optimizer and ._optimizer); pass the optimizer that steps the attention parameters"
+    )
+
+
+def owning_optimizer(optimizers, params: Iterable[torch.Tensor], who: str) -> torch.optim.Optimizer:
+    """The one optimizer among ``optimizers`` (one or a sequence) that steps ``params``.
+
+    Returned as the object to hook: wrappers that report ``step_was_skipped`` (Accelerate) are
+    replaced by the optimizer they wrap, containers (``.optimizers``) by their members. Split
+    over several optimizers, a fix would transport only one optimizer's state and a projection
+    would see only part of the step: :class:`GaugeError`.
+    """
+    candidates = [optimizers] if not isinstance(optimizers, (list, tuple)) else list(optimizers)
+    wanted = {id(p) for p in params}
+    owners: list[torch.optim.Optimizer] = []
+    for opt in (w for c in candidates for w in _watched(c)):
+        if wanted & {id(p) for g in opt.param_groups for p in g["params"]} and all(opt is not o for o in owners):
+            owners.append(opt)
+    if not owners:
+        raise GaugeError(
+            f"{who}: no optimizer of this run updates the attention parameters it watches ({len(wanted)} tensors); "
+            "pass the optimizer that trains the model (its param_groups must hold the Q/K/V/O tensors)"
+        )
+    if len(owners) > 1:
+        raise GaugeError(
+            f"{who}: the attention parameters are split over {len(owners)} optimizers; keep every Q/K/V/O tensor "
+            "(weights, biases, multipliers) in one optimizer (other parameters may use others)"
+        )
+    return owners[0]
+
+
+def _wrapped_chain(optimizer) -> list:
+    """``optimizer`` and every object it wraps through ``.optimizer`` / ``._optimizer``."""
+    chain = [optimizer]
+    for _ in range(8):
+        inner = getattr(chain[-1], "optimizer", None) or getattr(chain[-1], "_optimizer", None)
+        if inner is None:
+            break
+        chain.append(inner)
+    return chain
+
+
+# optimizer -> the counters attached to it, so that their hooks run in a fixed order (below)
+_ATTACHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[StepCounter]]" = weakref.WeakKeyDictionary()
+
+
+class StepCounter:
+    """Count the real steps of the optimizer that owns the attention parameters; act after every
+    ``every``-th (:meth:`_act`, overridden by :class:`FixSteps` and :class:`ProjectSteps`).
+
+    Args:
+        every: act after optimizer steps ``every, 2·every, ...``.
+        sites: attention sites (default: ``find_attention(model)`` at :meth:`bind`).
+        prefix: prefix of the metric names.
+    """
+
+    every: int
+    # Hooks on one optimizer run by this rank, then in the order attached: a projection (0) must
+    # see the step the optimizer took, before a fix (1) moves the point along the orbit — else it
+    # would take the fix for a vertical step and undo it.
+    hook_rank = 1
+
+    def __init__(self, every: int, sites: Sequence[AttentionSite] | None = None, prefix: str = "gauge/") -> None:
+        self.every = check_every(every)
+        self._given_sites = None if sites is None else list(sites)
+        self.prefix = prefix
+        self.optimizer_steps = 0
+        self.sites: list[AttentionSite] = []
+        self._module: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._handles: list = []
+        self._pending: dict[str, float] = {}
+
+    # -- policy ----------------------------------------------------------------------------
+    def should_run(self, step: int) -> bool:
+        """Whether to act after optimizer step ``step`` (1-based); override for other schedules."""
+        return step % self.every == 0
+
+    # -- wiring ----------------------------------------------------------------------------
+    def bind(self, model: nn.Module) -> None:
+        """Find ``model``'s attention sites (unless given) and validate the options against them."""
+        self._module = model
+        self.sites = self._given_sites if self._given_sites is not None else find_attention(model)
+        self._validate(self.sites)
+
+    def _validate(self, sites: list[AttentionSite]) -> None:
+        pass
+
+    def watched_params(self) -> list[torch.Tensor]:
+        """Every tensor of the bound sites (weights, biases, multipliers of Q/K/V/O)."""
+        return [ref.param for s in self.sites for _, ref in s.refs()]
+
+    def check_conflicts(self, optimizers) -> None:
+        """Refuse an optimizer that already does this callback's job (see the subclasses)."""
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook ``optimizer``'s steps (removing earlier hooks); with other counters on the same
+        optimizer, projections' hooks run before the others' whatever the order of attaching."""
+        self.detach()
+        self._optimizer = optimizer
+        peers = _ATTACHED.setdefault(optimizer, [])
+        peers.append(self)
+        for c in peers:
+            c._unhook()
+        for c in sorted(peers, key=lambda c: c.hook_rank):  # stable: attach order within a rank
+            c._handles = [
+                optimizer.register_step_pre_hook(c._pre_step),
+                optimizer.register_step_post_hook(c._post_step),
+            ]
+
+    def detach(self) -> None:
+        """Remove the step hooks."""
+        self._unhook()
+        if self._optimizer is not None and self in _ATTACHED.get(self._optimizer, ()):
+            _ATTACHED[self._optimizer].remove(self)
+
+    def _unhook(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def watch(self, model: nn.Module | Sequence[nn.Module], optimizers) -> "StepCounter":
+        """:meth:`bind` ``model`` (or a list of model parts), check ``optimizers`` for conflicts and
+        :meth:`attach` the one owning the attention parameters; returns ``self``."""
+        if isinstance(model, (list, tuple)):
+            model = nn.ModuleList(model)
+        self.bind(model)
+        self.check_conflicts(optimizers)
+        self.attach(owning_optimizer(optimizers, self.watched_params(), type(self).__name__))
+        return self
+
+    # -- the hooks -------------------------------------------------------------------------
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        pass
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        self.optimizer_steps += 1
+        if self.should_run(self.optimizer_steps):
+            self._pending.update(self._act(optimizer))
+
+    def _act(self, optimizer) -> dict[str, float]:
+        return {}
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The metrics of the actions since the last call (latest value per name), and forget them."""
+        out, self._pending = self._pending, {}
+        return out
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer_steps": self.optimizer_steps}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer_steps = int(state_dict["optimizer_steps"])
+
+
+class FixSteps(StepCounter):
+    """GaugeFix-LRM (:func:`gaugeopt.gauge_fix`) after every ``every``-th real optimizer step.
+
+    Args:
+        every: fix after optimizer steps ``every, 2·every, ...`` (paper 002: 1, 10, 100, 1000;
+            100 gave the best validation loss).
+        granularity: ``"auto"`` (per RoPE plane under RoPE, per head otherwise), ``"head"``,
+            ``"channel"`` (refused under RoPE, at :meth:`bind`) or ``"plane"``.
+        transport_state: transport Adam/SGD state with the rescale (``False``: paper 002's setting).
+        vo, vo_granularity: also balance V/O.
+        mode: ``"auto"``, ``"lrm"`` or ``"plain"`` (see :func:`gaugeopt.gauge_fix`).
+        unknown_state: policy for optimizers without a state rule: ``"error"``, ``"reset"``, ``"leave"``.
+        product_decay, product_max: magnitude control of ``s_Q·s_K`` (changes the function on purpose).
+        sites: attention sites (default: ``find_attention(model)`` at :meth:`bind`).
+        log_per_layer: also report per-layer drift and scale product.
+        prefix: metric name prefix.
+
+    Metrics of each fix: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
+    ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}heads_fixed``, ``{prefix}fixes``, ...
+    (:meth:`~gaugeopt.fix.report.GaugeFixReport.as_dict`).
+    """
+
+    def __init__(
+        self,
+        every: int = 100,
+        granularity: str = "auto",
+        *,
+        transport_state: bool = True,
+        vo: bool = False,
+        vo_granularity: str = "head",
+        mode: str = "auto",
+        unknown_state: str = "error",
+        product_decay: float | None = None,
+        product_max: float | None = None,
+        sites: Sequence[AttentionSite] | None = None,
+        log_per_layer: bool = False,
+        prefix: str = "gauge/",
+    ) -> None:
+        super().__init__(every, sites, prefix)
+        check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
+                          product_decay=product_decay, product_max=product_max)
+        self.options = dict(
+            granularity=granularity, transport_state=transport_state, vo=vo, vo_granularity=vo_granularity,
+            mode=mode, unknown_state=unknown_state, product_decay=product_decay, product_max=product_max,
+        )
+        self.log_per_layer = log_per_layer
+        self.fixes = 0
+        self.last_report = None
+        self._fixer: GaugeFixer | None = None
+
+    def _validate(self, sites: list[AttentionSite]) -> None:
+        GaugeFixer(None, None, sites=sites, **{**self.options, "transport_state": False})  # plans, refusals
+        self._fixer = None  # bound to (new) sites: plan again at the first fix
+
+    def _fixer_for(self, optimizer) -> GaugeFixer:
+        """One :class:`~gaugeopt.fix.gaugefix.GaugeFixer` per optimizer: planned once, kernel tables reused."""
+        want = optimizer if self.options["transport_state"] else None
+        if self._fixer is None or self._fixer.optimizer is not want:
+            self._fixer = GaugeFixer(None, want, sites=self.sites, **self.options)
+        return self._fixer
+
+    def check_conflicts(self, optimizers) -> None:
+        """A :class:`gaugeopt.GaugeProjected` with ``fix_every`` already fixes: refuse fixing twice."""
+        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
+            for o in _wrapped_chain(opt):
+                if getattr(o, "fix_every", None):
+                    raise GaugeError(
+                        f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every} and {type(self).__name__} is "
+                        "also active: the model would be fixed twice. Use one of them (fix_every=None, or drop the callback)"
+                    )
+
+    def _act(self, optimizer) -> dict[str, float]:
+        report = self._fixer_for(optimizer)()
+        self.fixes += 1
+        self.last_report = report
+        out = report.as_dict(prefix=self.prefix, per_layer=self.log_per_layer)
+        out[f"{self.prefix}fixes"] = float(self.fixes)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "fixes": self.fixes}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.fixes = int(state_dict.get("fixes", 0))
+
+
+def _has_closure(args, kwargs) -> bool:
+    return kwargs.get("closure") is not None or any(callable(a) for a in args)
+
+
+class ProjectSteps(StepCounter):
+    """Project every real optimizer step (or its gradient) off the gauge orbits.
+
+    ``target="update"`` snapshots the gauge parameters in the step pre-hook and replaces the step
+    taken by its horizontal part in the post-hook (:func:`~gaugeopt.projection.step.remove_vertical_update_`).
+    ``target="grad"`` projects the gradients in the pre-hook — they are final there (accumulated,
+    unscaled, clipped) unless the step evaluates a closure, as Lightning's does; such a framework
+    calls :meth:`project_grads` once the closure has produced them.
+
+    Args:
+        mode: ``"exact"`` (Sylvester) or ``"approx"`` (paper 000 Algorithm 2).
+        target: ``"update"`` or ``"grad"``.
+        sectors: ``"auto"`` or a subset of :data:`gaugeopt.projection.projector.SECTORS`.
+        log_every: report ``{prefix}vertical_fraction_{target}`` (the fraction removed) every this
+            many optimizer steps; reading it is the only host synchronisation.
+        sites: attention sites (default: every gauge sector of the model).
+        prefix: metric name prefix.
+        **projector_kwargs: extra options for :class:`gaugeopt.GaugeProjector`.
+    """
+
+    hook_rank = 0  # before a fix on the same optimizer (StepCounter.attach)
+
+    def __init__(
+        self,
+        mode: str = "exact",
+        target: str = "update",
+        *,
+        sectors: str | Sequence[str] = "auto",
+        log_every: int = 50,
+        sites: Sequence[AttentionSite] | None = None,
+        prefix: str = "gauge/",
+        **projector_kwargs: Any,
+    ) -> None:
+        from gaugeopt.projection.projector import MODES as PROJECTION_MODES
+
+        super().__init__(check_every(log_every, "log_every"), sites, prefix)
+        check_choice("mode", mode, PROJECTION_MODES)
+        check_choice("target", target, ("update", "grad"))
+        self.mode, self.target, self.sectors = mode, target, sectors
+        self.projector_kwargs = projector_kwargs
+        self.projector = None
+        self._before: dict[str, torch.Tensor] | None = None
+        self._norms = None
+
+    def _validate(self, sites: list[AttentionSite]) -> None:
+        from gaugeopt.projection.projector import GaugeProjector
+
+        # sites=None unless given: "auto" then also covers every LRM layer's internal rescalings
+        self.projector = GaugeProjector(self._module, self.sectors, self.mode, sites=self._given_sites, **self.projector_kwargs)
+
+    def watched_params(self) -> list[torch.Tensor]:
+        named = dict(self._module.named_parameters())
+        return [named[n] for n in self.projector.param_names()]
+
+    def check_conflicts(self, optimizers) -> None:
+        """Refuse a :class:`gaugeopt.GaugeProjected`: projecting, every step would be projected
+        twice; fixing (``project=None, fix_every=N``), its fixes run inside its step, and a
+        projection of that step would take them for vertical motion and undo them."""
+        from gaugeopt.integrations.optim import GaugeProjected
+
+        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
+            for o in _wrapped_chain(opt):
+                if isinstance(o, GaugeProjected) and o.project is not None:
+                    raise GaugeError(
+                        f"the optimizer is a GaugeProjected(project={o.project!r}) and {type(self).__name__} is also "
+                        "active: every step would be projected twice. Use one of them"
+                    )
+                if isinstance(o, GaugeProjected) and o.fix_every:
+                    raise GaugeError(
+                        f"the optimizer is a GaugeProjected(project=None, fix_every={o.fix_every}) and "
+                        f"{type(self).__name__} is also active: projecting its step would undo the fixes made inside "
+                        f"it. Use GaugeProjected(optimizer, model, project='update', fix_every={o.fix_every}) alone, "
+                        "or the plain optimizer with both callbacks"
+                    )
+
+    def project_grads(self) -> None:
+        """``g ← g − Π_vert(g)`` for the gauge parameters' gradients, now."""
+        from gaugeopt.projection.step import remove_vertical_grad_
+
+        self._norms = remove_vertical_grad_(self.projector, self._module)
+
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        from gaugeopt.projection.step import snapshot
+
+        if self.target == "update":
+            self._before = snapshot(self.projector, self._module)
+        elif not _has_closure(args, kwargs):
+            self.project_grads()
+
+    def _post_step(self, optimizer, args, kwargs) -> None:
+        from gaugeopt.projection.step import remove_vertical_update_
+
+        if self.target == "update" and self._before is not None:
+            self._norms = remove_vertical_update_(self.projector, self._module, self._before)
+            self._before = None
+        super()._post_step(optimizer, args, kwargs)
+
+    def _act(self, optimizer) -> dict[str, float]:
+        from gaugeopt.projection.step import vertical_fraction_of
+
+        if self._norms is None:
+            return {}
+        return {f"{self.prefix}vertical_fraction_{self.target}": vertical_fraction_of(self._norms)}

@@ -1,0 +1,193 @@
+"""Hugging Face ``Trainer`` callbacks: ``Trainer(..., callbacks=[GaugeFixCallback(every=100)])``.
+
+* :class:`GaugeFixCallback` — GaugeFix-LRM after every ``every``-th optimizer step, with
+  optimizer-state transport (:class:`gaugeopt.integrations.steps.FixSteps`).
+* :class:`GaugeProjectionCallback` — gauge-orthogonal projection of every step (or gradient)
+  (:class:`gaugeopt.integrations.steps.ProjectSteps`, the functions of :class:`gaugeopt.GaugeProjected`).
+
+The counting, the policy, the actions and the counters are the framework-free core's
+(:mod:`gaugeopt.integrations.steps`, shared with the Lightning callbacks); this module only
+wires it into the ``Trainer``:
+
+**Where they act.** In ``Trainer._run_epoch`` the step is ``on_pre_optimizer_step`` →
+``self.optimizer.step()`` → ``on_optimizer_step`` → scheduler → ``model.zero_grad()`` →
+``on_step_end``. ``self.optimizer`` is Accelerate's ``AcceleratedOptimizer``, whose ``step()``
+runs for every accumulation boundary — also when the fp16 ``GradScaler`` found inf gradients and
+skipped the step (``accelerator.optimizer_step_was_skipped``), and ``on_optimizer_step`` fires
+then too. So the callbacks hook the optimizer it wraps (``register_step_post_hook``): they count
+and act only when a step was really taken, right after it and before gradients are zeroed. With
+``gradient_accumulation_steps=k`` that is once per ``k`` batches.
+
+**Logging.** After a step with an action the callback sets ``control.should_log``, so the Trainer
+writes its log record for that step, and adds its metrics to that record in ``on_log``: to the
+``logs`` every later ``on_log`` receives and to ``trainer.state.log_history``. The Trainer calls
+the ``report_to`` integrations (W&B, TensorBoard, ...) *before* the callbacks you pass, and gives
+a callback no handle on itself; to have them receive the gauge metrics, list the integration
+after the gauge callback: ``report_to="none", callbacks=[GaugeFixCallback(every=100), WandbCallback()]``.
+
+**Checkpoints.** Both are ``ExportableState`` callbacks: the Trainer stores their counters in each
+checkpoint's ``trainer_state.json`` (``stateful_callbacks``); on ``train(resume_from_checkpoint=...)``
+they restore them in ``on_train_begin`` (with or without ``restore_callback_states_from_checkpoint``,
+which, when set, makes the Trainer build a fresh instance from the stored arguments), so a resumed
+run acts at the same steps.
+
+**Distributed and precision.** Under DDP (``accelerate launch`` / ``torchrun``) every rank fixes
+its replica identically; ``bf16=True`` / ``fp16=True`` keep fp32 parameters, which the fix acts on.
+
+Example:
+    >>> from gaugeopt.integrations.transformers import GaugeFixCallback, GaugeProjectionCallback
+    >>> cb = GaugeFixCallback(every=100)
+    >>> cb.state()
+    {'args': {'every': 100, 'granularity': 'auto', 'transport_state': True, 'vo': False, 'vo_granularity': 'head', 'mode': 'auto', 'unknown_state': 'error', 'product_decay': None, 'product_max': None, 'log_per_layer': False, 'prefix': 'gauge/'}, 'attributes': {'optimizer_steps': 0, 'fixes': 0}}
+    >>> GaugeProjectionCallback(target="grad").target
+    'grad'
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from gaugeopt.errors import GaugeError
+from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizer
+
+__all__ = ["GaugeFixCallback", "GaugeProjectionCallback"]
+
+
+def _json_args(who: str, args: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments, checked to fit ``trainer_state.json`` (the Trainer rebuilds
+    the callback from them when ``restore_callback_states_from_checkpoint`` is set)."""
+    for name, value in args.items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            raise GaugeError(
+                f"{who}: {name}={value!r} cannot be stored in a Trainer checkpoint (trainer_state.json holds the "
+                "callback's arguments as JSON); pass a number, string, list or None"
+            ) from None
+    return args
+
+
+class _TrainerSide(TrainerCallback, ExportableState):
+    """The Trainer's side of :class:`~gaugeopt.integrations.steps.StepCounter`."""
+
+    _args: dict[str, Any]
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:  # validate against the model when the Trainer is built, not at step N
+            self.bind(model)
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self._restore(state)
+        if model is not self._module:
+            self.bind(model)
+        self.check_conflicts(optimizer)
+        self.attach(owning_optimizer(optimizer, self.watched_params(), type(self).__name__))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._pending:
+            control.should_log = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        metrics = self.pop_metrics()
+        if metrics and logs is not None:
+            logs.update(metrics)
+            if state.log_history:  # Trainer.log appended this record just before on_log
+                state.log_history[-1].update(metrics)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.detach()
+
+    # -- checkpoints (ExportableState) -----------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"args": dict(self._args), "attributes": self.state_dict()}
+
+    def _restore(self, state) -> None:
+        saved = state.stateful_callbacks.get(type(self).__name__)
+        if isinstance(saved, list):
+            raise GaugeError(
+                f"{type(self).__name__}: the Trainer has {len(saved)} of them; one is enough (two would act twice)"
+            )
+        if saved:
+            self.load_state_dict(saved["attributes"])
+
+
+class GaugeFixCallback(_TrainerSide, FixSteps):
+    """Apply GaugeFix-LRM (:func:`gaugeopt.gauge_fix`) after every ``every``-th optimizer step.
+
+    Arguments as :class:`gaugeopt.integrations.steps.FixSteps` (``every=100``, ``granularity``,
+    ``transport_state``, ``vo``, ``vo_granularity``, ``mode``, ``unknown_state``,
+    ``product_decay``/``product_max``, ``log_per_layer``, ``prefix``); the sites are
+    ``find_attention(trainer.model)``, found and checked when the ``Trainer`` is built.
+
+    Logged at each fix's step: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
+    ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}heads_fixed``, ``{prefix}fixes``, ...
+
+    Example:
+        >>> from gaugeopt.integrations.transformers import GaugeFixCallback
+        >>> GaugeFixCallback(every=20, granularity="head").options["granularity"]
+        'head'
+    """
+
+    def __init__(
+        self,
+        every: int = 100,
+        granularity: str = "auto",
+        *,
+        transport_state: bool = True,
+        vo: bool = False,
+        vo_granularity: str = "head",
+        mode: str = "auto",
+        unknown_state: str = "error",
+        product_decay: float | None = None,
+        product_max: float | None = None,
+        log_per_layer: bool = False,
+        prefix: str = "gauge/",
+    ) -> None:
+        FixSteps.__init__(
+            self, every, granularity, transport_state=transport_state, vo=vo, vo_granularity=vo_granularity, mode=mode,
+            unknown_state=unknown_state, product_decay=product_decay, product_max=product_max,
+            log_per_layer=log_per_layer, prefix=prefix,
+        )
+        self._args = _json_args(type(self).__name__, dict(
+            every=every, granularity=granularity, transport_state=transport_state, vo=vo,
+            vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state, product_decay=product_decay,
+            product_max=product_max, log_per_layer=log_per_layer, prefix=prefix,
+        ))
+
+
+class GaugeProjectionCallback(_TrainerSide, ProjectSteps):
+    """Project every optimizer step (or its gradient) off the gauge orbits: the Trainer form of
+    :class:`gaugeopt.GaugeProjected`.
+
+    Arguments as :class:`gaugeopt.integrations.steps.ProjectSteps` (``mode="exact"``,
+    ``target="update"`` or ``"grad"``, ``sectors``, ``log_every=50``, ``prefix``, projector
+    options). ``target="grad"`` projects in the optimizer's step pre-hook: after accumulation,
+    AMP unscaling and the Trainer's gradient clipping.
+
+    Logged every ``log_every`` steps: ``{prefix}vertical_fraction_{target}`` (the part removed).
+
+    Example:
+        >>> from gaugeopt.integrations.transformers import GaugeProjectionCallback
+        >>> GaugeProjectionCallback(mode="approx", log_every=10).every
+        10
+    """
+
+    def __init__(
+        self,
+        mode: str = "exact",
+        target: str = "update",
+        *,
+        sectors: str | Sequence[str] = "auto",
+        log_every: int = 50,
+        prefix: str = "gauge/",
+        **projector_kwargs: Any,
+    ) -> None:
+        ProjectSteps.__init__(self, mode, target, sectors=sectors, log_every=log_every, prefix=prefix, **projector_kwargs)
+        sectors = sectors if isinstance(sectors, str) else list(sectors)
+        self._args = _json_args(type(self).__name__, dict(
+            mode=mode, target=target, sectors=sectors, log_every=log_every, prefix=prefix, **projector_kwargs,
+        ))
