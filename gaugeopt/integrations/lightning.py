@@ -27,6 +27,15 @@ of the optimizer state.
 **Checkpoints.** ``state_dict`` holds the step and fix counters only; a resumed run continues
 bit-identically (on CPU) to an uninterrupted one.
 
+**Certificate.** Records from built-in adapters are verified by the test suite; any other record
+(your :class:`gaugeopt.AttentionSpec` or ``register_adapter``) is certified on the first training
+batch (``certify=True``, the default): the callback records the real call of each such attention
+module during that batch's forward — the batch exactly as your ``training_step`` feeds it — and
+runs :func:`gaugeopt.certify`'s checks on those calls before the first optimizer step. A record
+that fails stops the run with a :class:`~gaugeopt.errors.GaugeError` naming the layer and sector.
+With ``certify=False`` such records are refused at ``setup`` unless the model was certified
+already (``gaugeopt.certify(model, example_batch)``).
+
 Example:
     >>> import lightning.pytorch as pl
     >>> from gaugeopt.callbacks import GaugeFix, GaugeMonitor
@@ -44,6 +53,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from gaugeopt.structure.certificate import CallRecorder, CertificateReport, certify_calls
+from gaugeopt.structure.certified import is_certified, require_certified
 from gaugeopt.fix.drift import drift_table, product_stats, worst
 from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.plan import MODES, check_choice, check_fix_options
@@ -66,7 +77,12 @@ class _StepCounter(Callback):
 
     every: int
 
-    def __init__(self, every: int, sites: Sequence[AttentionSite] | None, prefix: str) -> None:
+    def __init__(self, every: int, sites: Sequence[AttentionSite] | None, prefix: str, certify: bool = True) -> None:
+        if not isinstance(certify, bool):
+            raise GaugeError(f"certify={certify!r} must be True or False")
+        self.certify = certify
+        self.certificate: CertificateReport | None = None
+        self._recorder: CallRecorder | None = None
         self.every = _check_every(every)
         self._given_sites = None if sites is None else list(sites)
         self.prefix = prefix
@@ -88,6 +104,8 @@ class _StepCounter(Callback):
             return
         self._module = pl_module
         self.sites = self._given_sites if self._given_sites is not None else find_attention(pl_module)
+        if not self.certify:
+            require_certified(self.sites, f"{type(self).__name__}(certify=False)")
         self._validate(self.sites)
 
     def _validate(self, sites: list[AttentionSite]) -> None:  # pragma: no cover - overridden
@@ -127,7 +145,32 @@ class _StepCounter(Callback):
     def _pre_step(self, optimizer, args, kwargs) -> None:
         pass
 
+    # -- certificate -----------------------------------------------------------------------
+    def _uncertified(self) -> list[AttentionSite]:
+        return [s for s in self.sites if not is_certified(s)]
+
+    @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.certify and self._recorder is None and self.certificate is None and self._uncertified():
+            self._recorder = CallRecorder(self._uncertified())
+
+    def _finish_certificate(self) -> None:
+        """Certify the records the first batch's forward exercised (once; other callbacks' stamps count)."""
+        if self._recorder is None:
+            return
+        recorder, self._recorder = self._recorder, None
+        recorder.close()
+        todo = self._uncertified()
+        if todo:
+            self.certificate = certify_calls(todo, recorder.calls)
+            self._pending.update({f"{self.prefix}{k}": v for k, v in self.certificate.as_dict().items()})
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._finish_certificate()
+
     def _post_step(self, optimizer, args, kwargs) -> None:
+        self._finish_certificate()  # manual loops that step without on_before_optimizer_step
         self.optimizer_steps += 1
         if self.should_run(self.optimizer_steps):
             self._pending.update(self._act(optimizer))
@@ -144,6 +187,9 @@ class _StepCounter(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._remove_hooks()
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
@@ -175,6 +221,8 @@ class GaugeFix(_StepCounter):
         sites: attention sites (default: ``find_attention(pl_module)`` at ``setup``).
         log_per_layer: also log per-layer drift and scale product.
         prefix: metric name prefix.
+        certify: certify records that no built-in adapter verifies on the first training batch
+            (see the module docstring); ``False`` refuses them unless already certified.
 
     Logged (at the batch of each fix): ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
     ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}fixes`` (and ``vo_*`` with ``vo=True``).
@@ -200,8 +248,9 @@ class GaugeFix(_StepCounter):
         sites: Sequence[AttentionSite] | None = None,
         log_per_layer: bool = False,
         prefix: str = "gauge/",
+        certify: bool = True,
     ) -> None:
-        super().__init__(every, sites, prefix)
+        super().__init__(every, sites, prefix, certify)
         check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
                           product_decay=product_decay, product_max=product_max)
         self.options = dict(
@@ -260,7 +309,7 @@ class GaugeMonitor(_StepCounter):
     Logs ``{prefix}qk_drift`` (paper 002 eq. 3), ``{prefix}qk_scale_product`` (mean ``s_Q·s_K``
     over heads) and, with ``vertical_fraction=True``, ``{prefix}vertical_fraction`` of the
     update the optimizer just applied (``‖Δθ_vert‖/‖Δθ‖`` over the attention parameters; the
-    parameters are snapshotted only right before a measured step).
+    parameters are snapshotted only right before a measured step). ``certify`` as :class:`GaugeFix`.
 
     Example:
         >>> from gaugeopt.callbacks import GaugeMonitor
@@ -276,8 +325,9 @@ class GaugeMonitor(_StepCounter):
         mode: str = "auto",
         sites: Sequence[AttentionSite] | None = None,
         prefix: str = "gauge/",
+        certify: bool = True,
     ) -> None:
-        super().__init__(every, sites, prefix)
+        super().__init__(every, sites, prefix, certify)
         check_choice("mode", mode, MODES)
         self.mode = mode
         self.measure_vertical = vertical_fraction
@@ -327,6 +377,7 @@ class GaugeProjection(_StepCounter):
         log_every: log ``{prefix}vertical_fraction_{target}`` (the fraction removed) every this
             many optimizer steps; reading it is the only host synchronisation.
         sites: attention sites (default: ``find_attention(pl_module)``).
+        certify: certify unverified records on the first training batch (as :class:`GaugeFix`).
         projector_kwargs: extra options for :class:`gaugeopt.GaugeProjector`.
 
     Example:
@@ -344,11 +395,12 @@ class GaugeProjection(_StepCounter):
         log_every: int = 50,
         sites: Sequence[AttentionSite] | None = None,
         prefix: str = "gauge/",
+        certify: bool = True,
         **projector_kwargs: Any,
     ) -> None:
         from gaugeopt.projection.projector import MODES as PROJECTION_MODES
 
-        super().__init__(log_every, sites, prefix)
+        super().__init__(log_every, sites, prefix, certify)
         check_choice("mode", mode, PROJECTION_MODES)
         check_choice("target", target, ("update", "grad"))
         self.mode, self.target, self.sectors = mode, target, sectors
@@ -385,6 +437,7 @@ class GaugeProjection(_StepCounter):
         # before clipping and the step.
         from gaugeopt.projection.step import remove_vertical_grad_
 
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)  # the certificate first
         if self.target == "grad" and optimizer is self._optimizer:
             self._norms = remove_vertical_grad_(self.projector, self._module)
 

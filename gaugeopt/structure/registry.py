@@ -146,7 +146,7 @@ def _linear_children(module: nn.Module) -> list[str]:
 
 def unclaimed_hint(module: nn.Module) -> str:
     """How to describe an unclaimed attention class: a runnable :class:`gaugeopt.AttentionSpec` example."""
-    cls = type(module).__qualname__
+    cls = type(module).__name__
     linears = _linear_children(module)
     return (
         f"Describe {cls} with gaugeopt.AttentionSpec, register it and certify it on your model, e.g.\n"

@@ -99,7 +99,7 @@ def require_stock_forward(name: str, module: nn.Module) -> None:
     if "forward" in vars(module):
         raise GaugeError(f"{name}: forward was overridden on the instance; gaugeopt cannot vouch for its gauge group")
     fwd = getattr(cls, "forward", None)
-    if fwd is None or getattr(fwd, "__module__", None) != cls.__module__ or not fwd.__qualname__.startswith(cls.__name__ + "."):
+    if fwd is None or getattr(fwd, "__module__", None) != cls.__module__ or fwd.__qualname__ != f"{cls.__qualname__}.forward":
         where = f"{getattr(fwd, '__module__', '?')}.{getattr(fwd, '__qualname__', '?')}"
         raise GaugeError(
             f"{name}: {cls.__qualname__}.forward is {where}, not the implementation the adapter was written for "
