@@ -38,8 +38,9 @@ def require(module: str):
 
 
 def nanogpt():
-    """nanoGPT's ``model.py`` (the vendored file, MIT, tests/fixtures/nanogpt) as a module named like a
-    user's copy of it."""
+    """nanoGPT's ``model.py`` as a module named like a user's copy of it: tests/fixtures/nanogpt holds
+    the file and its MIT licence verbatim from github.com/karpathy/nanoGPT at commit
+    3adf61e154c3fe3fca428ad6bc3818b27a3b8291."""
     name = "my_project.nanogpt_model"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, FIXTURES / "nanogpt" / "model.py")

@@ -41,7 +41,7 @@ def _valid_kinds(site, lrm: bool) -> list[str]:
     return kinds + (["lrm_qk", "lrm_vo", "lrm_internal"] if lrm else [])
 
 
-CASES = [(n, False) for n in zf.NAMES] + [(n, True) for n in ("nanogpt", "litgpt_gqa", "timm_vit", "hf_gptj")]
+CASES = [(n, False) for n in zf.NAMES] + [(n, True) for n in zf.LRM_NAMES]
 
 
 @pytest.mark.parametrize("name, lrm", CASES, ids=[n + ("+lrm" if lrm else "") for n, lrm in CASES])

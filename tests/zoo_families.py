@@ -191,6 +191,10 @@ QK_NORM = {
 }
 
 NAMES = tuple(FAMILY)
+# Families whose attention projections apply_lrm converts (nn.Linear with [Q|K|V] blocks or separate
+# projections). Not: Falcon and torchtitan (their own nn.Linear subclasses, left alone), GPT-NeoX,
+# Bloom and GPTBigCode without multi-query (Q/K/V rows interleaved per head: refused).
+LRM_NAMES = tuple(n for n in NAMES if not n.startswith(("hf_falcon", "torchtitan", "hf_gpt_neox", "hf_bloom", "hf_bigcode_mha")))
 
 
 def raw(name: str):
