@@ -176,7 +176,9 @@ def apply_lrm(
     reads) and so is the nested-tensor path of its ``nn.TransformerEncoder``
     (``use_nested_tensor = False``); the regular path computes the same function. A model
     compiled with ``torch.compile`` before the conversion recompiles on its next call (the
-    replaced modules fail the compiled graph's guards).
+    replaced modules fail the compiled graph's guards). A kernel installed later that reads a
+    converted layer's ``weight`` itself (a Hugging Face hub kernel from ``model.kernelize()``, a
+    hand-written fused block) is not detected: compare such a model's outputs in eval and train mode.
 
     Args:
         model: the model to convert (modified in place and returned).

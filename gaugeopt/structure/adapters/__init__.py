@@ -10,7 +10,8 @@ module                                       classes
 :mod:`~gaugeopt.structure.adapters.litgpt`   ``litgpt.model.CausalSelfAttention``
 :mod:`~gaugeopt.structure.adapters.timm`     ``timm.layers.attention.Attention``
 :mod:`~gaugeopt.structure.adapters.torchtitan`  ``torchtitan.models.common.attention.GQAttention``
-:mod:`~gaugeopt.structure.adapters.hf`       23 Hugging Face ``transformers`` attention classes
+:mod:`~gaugeopt.structure.adapters.hf`       24 Hugging Face ``transformers`` attention classes (3 of them
+                                             Q/K-normalised: recognised and refused)
 :mod:`~gaugeopt.structure.adapters.qk_norm`  the Q/K-normalised families: recognised and refused
 :mod:`~gaugeopt.structure.adapters.x_transformers`  x-transformers' ``Attention``: refused with reasons
 ===========================================  ===========================================================
