@@ -207,5 +207,6 @@ def test_float32_steps_loosen_the_tolerance_and_are_reported():
     report = certify_with(model.eval(), lambda m: forward(m, x))
     layer = report.layers[0]
     assert "float32" in layer.float32_steps and layer.sectors["qk"].tolerance == 1e-6
+    assert layer.sectors["vo"].tolerance == 1e-10 and layer.sectors["vo"].valid <= 1e-10  # V/O does not see it
     assert 1e-10 < report.worst_valid <= 1e-6  # the float32 rotation is visible, and bounded
     assert report.weakest_control >= 1e-3

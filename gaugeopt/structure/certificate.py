@@ -20,7 +20,8 @@ heads it has and how RoPE pairs its coordinates. :func:`certify` checks the clai
 
 A layer whose module computes part of the attention in float32 even in float64 (recorded in
 :attr:`~gaugeopt.AttentionSite.float32_steps`, e.g. torchtitan's RoPE, GPT-J's eager scores)
-gets ``1e-6`` instead of ``1e-10``; the controls still need ``1e-3``. One layer is copied at a
+gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries and keys (``qk``,
+``lrm_qk``); the controls still need ``1e-3``. One layer is copied at a
 time, so the cost is one float64 attention layer, whatever the model's size.
 
 A wrong record fails: a wrong head count or GQA map, a forgotten partial rotary or a missing
@@ -73,6 +74,8 @@ __all__ = [
 VALID_TOL = 1e-10
 FLOAT32_TOL = 1e-6
 CONTROL_MIN = 1e-3
+# The sectors that rescale or rotate queries and keys: the ones a float32 step in q·kᵀ or RoPE can see.
+_QK_SECTORS = ("qk", "lrm_qk")
 # How closely a float64 rerun must reproduce the module's output in the model's own forward, by dtype.
 _RERUN_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -376,7 +379,6 @@ def certify_site(site: AttentionSite, call: Call, *, seed: int = 0) -> LayerCert
     g = torch.Generator().manual_seed(seed)
     base = copy.deepcopy(site.module).double().eval()
     args, kwargs = _to_float64(call.args), _to_float64(call.kwargs)
-    tol = FLOAT32_TOL if site.float32_steps else VALID_TOL
     cert = LayerCertificate(site.name, site.kind, float32_steps=site.float32_steps)
     if call.output is not None and not call.training:  # the rerun must be the call it claims to be
         cert.rerun_change = relative_change(_run(base, args, kwargs), call.output.double())
@@ -391,6 +393,7 @@ def certify_site(site: AttentionSite, call: Call, *, seed: int = 0) -> LayerCert
     randomize_parameters(base, g)
     y = _run(base, args, kwargs)
     for sector in claimed_sectors(site):
+        tol = FLOAT32_TOL if site.float32_steps and sector in _QK_SECTORS else VALID_TOL
         moved = copy.deepcopy(base)
         _valid(_rebind(site, moved), sector, g)
         valid = relative_change(y, _run(moved, args, kwargs))

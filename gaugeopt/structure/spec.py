@@ -20,7 +20,8 @@ field               meaning
                     :class:`~gaugeopt.structure.site.QKNorm`
 ``refuse``          ``module -> reason | None``: features the gauge cannot survive (checked first)
 ``linear_types``    ``nn.Linear`` subclasses (classes or import paths) whose forward is ``x Wᵀ + b``
-``float32_steps``   what the module computes in float32 even in float64 (loosens the certificate)
+``float32_steps``   what the module computes in float32 even in float64 (loosens the certificate's
+                    Q/K sectors to ``1e-6``)
 ``fixed_head_order``  why heads may not be permuted (a per-head score term such as ALiBi)
 ==================  ==========================================================================
 
