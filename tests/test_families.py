@@ -23,11 +23,10 @@ import zoo_families as zf
 from gaugeopt import GaugeError
 from gaugeopt.structure.actions import INVALID_KINDS
 from gaugeopt.structure.certificate import certify_with
-from model_libraries import nanogpt, quiet, require
+from model_libraries import quiet, require
 
 VALID_TOL = 1e-12
 INVALID_MIN = 1e-3
-MEASURED: dict[str, tuple[float, float]] = {}  # name -> (worst valid change, smallest control change)
 
 
 def _changes(case, y0, a0, moved) -> tuple[float, float]:
@@ -53,7 +52,6 @@ def test_family_gauge_is_exact_and_controls_break(name, lrm):
     assert all(x.verified and x.kind == kind for x in sites)
     assert (s.h_kv, f"{s.rope.kind}:{s.rope.rotary_dim}" if s.rope.active else "none") == (h_kv, rope)
     assert s.has_multipliers == lrm
-    worst, weakest = 0.0, float("inf")
     with zf.float64_islands_removed():
         y0, a0 = zf.attention_outputs(case, case.model, sites)
         for k in _valid_kinds(s, lrm):
@@ -61,7 +59,6 @@ def test_family_gauge_is_exact_and_controls_break(name, lrm):
             assert any(not torch.equal(p, q) for p, q in zip(case.model.parameters(), moved.parameters())), k
             out, att = _changes(case, y0, a0, moved)
             assert out <= VALID_TOL and att <= VALID_TOL, (k, out, att)
-            worst = max(worst, out, att)
         tried = []
         for k in INVALID_KINDS:
             if (k == "gl_under_rope" and not s.rope.active) or (k == "cross_head" and s.h_kv < 2):
@@ -69,10 +66,8 @@ def test_family_gauge_is_exact_and_controls_break(name, lrm):
             moved = gaugeopt.invalid_gauge_transform(case.copy(), k, generator=torch.Generator().manual_seed(5))
             out, att = _changes(case, y0, a0, moved)
             assert out >= INVALID_MIN and att >= INVALID_MIN, (k, out, att)
-            weakest = min(weakest, out, att)
             tried.append(k)
     assert {"asymmetric_qk", "wrong_inverse", "vo_mismatch"} <= set(tried)
-    MEASURED[case.name] = (worst, weakest)
 
 
 @pytest.mark.parametrize("name", zf.NAMES)

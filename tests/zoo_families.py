@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Callable
-
 import torch
 import torch.nn as nn
 
@@ -268,5 +266,3 @@ def attention_outputs(case: Case, model: nn.Module, sites=None) -> tuple[torch.T
             h.remove()
     return y, outs
 
-
-Builder = Callable[[], tuple]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from gaugeopt.structure.registry import register_builtin, register_builtin_recogniser, register_wrapper
 from gaugeopt.structure.adapters.gpt import adapt_gpt
-from gaugeopt.structure.adapters.hf import HF_ADAPTERS, HF_WRAPPERS, adapt_hf_gpt2, adapt_hf_llama_like
+from gaugeopt.structure.adapters.hf import HF_ADAPTERS, HF_WRAPPERS, adapt_hf_gpt2
 from gaugeopt.structure.adapters.litgpt import LITGPT_ATTENTION, LITGPT_SPEC
 from gaugeopt.structure.adapters.nanogpt import adapt_nanogpt, looks_like_nanogpt
 from gaugeopt.structure.adapters.timm import TIMM_ATTENTION, TIMM_SPEC
@@ -34,7 +34,7 @@ from gaugeopt.structure.adapters.torch_mha import adapt_mha
 from gaugeopt.structure.adapters.torchtitan import TORCHTITAN_ATTENTION, adapt_torchtitan
 from gaugeopt.structure.adapters.x_transformers import X_TRANSFORMERS_ATTENTION, refuse_x_transformers
 
-__all__ = ["adapt_gpt", "adapt_hf_gpt2", "adapt_hf_llama_like", "adapt_mha", "adapt_nanogpt", "adapt_torchtitan"]
+__all__ = ["adapt_gpt", "adapt_hf_gpt2", "adapt_mha", "adapt_nanogpt", "adapt_torchtitan"]
 
 
 def _register() -> None:

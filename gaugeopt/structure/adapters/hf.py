@@ -59,11 +59,11 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.adapters import qk_norm as qkn
 from gaugeopt.structure.adapters.common import refuse, require_stock_forward
-from gaugeopt.structure.rope import NO_ROPE, RopeSpec
+from gaugeopt.structure.rope import RopeSpec
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
 
-__all__ = ["HF_SPECS", "adapt_hf_gpt2", "adapt_hf_llama_like", "hf_adapter", "VERIFIED_IMPLEMENTATIONS"]
+__all__ = ["HF_ADAPTERS", "HF_SPECS", "HF_WRAPPERS", "VERIFIED_IMPLEMENTATIONS", "adapt_hf_gpt2", "implementation_refusal"]
 
 # Attention kernels measured exact (float64, every family): the others are refused until they are.
 VERIFIED_IMPLEMENTATIONS = (None, "eager", "sdpa")
@@ -124,17 +124,6 @@ def _with_root_rope(spec: AttentionSpec, *, partial: bool):
     return adapt
 
 
-def _all(*checks):
-    def refuse_fn(m: nn.Module) -> str | None:
-        for check in checks:
-            reason = check(m)
-            if reason:
-                return reason
-        return None
-
-    return refuse_fn
-
-
 # ---------------------------------------------------------------------- GPT-2
 def _gpt2_refusal(m: nn.Module) -> str | None:
     if getattr(m, "is_cross_attention", False) or hasattr(m, "q_attn"):
@@ -176,24 +165,16 @@ def _olmo_refusal(m: nn.Module) -> str | None:
     return implementation_refusal(m)
 
 
-def adapt_hf_llama_like(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
-    """Llama, Mistral, Qwen2 (kept under its historical name; see :data:`HF_SPECS`)."""
-    family = type(m).__name__.replace("Attention", "").lower()
-    return HF_ADAPTERS[_path(family, type(m).__name__)](root, name, m)
-
-
 # ---------------------------------------------------------------------- Phi, Phi3, StableLM, NeoX, GPT-J
 def _partial(kind: str):
     return lambda m: RopeSpec(kind, m.rotary_ndims)
 
 
-def _gptj_rope(m: nn.Module) -> RopeSpec:
+def _gptj_refusal(m: nn.Module) -> str | None:
     if m.rotary_dim is None:
-        raise GaugeError(
-            f"GPTJAttention with rotary_dim=None: its sin/cos table is sized by n_embd, not head_dim; "
-            "gaugeopt supports GPT-J with rotary_dim set (every released GPT-J model sets it)"
-        )
-    return RopeSpec("interleaved", m.rotary_dim)
+        return ("rotary_dim=None: GPT-J then sizes its sin/cos table by n_embd, not head_dim, which gaugeopt has not "
+                "verified; set rotary_dim in the config")
+    return implementation_refusal(m)
 
 
 def _gptj_float32(m: nn.Module) -> str:
@@ -214,14 +195,10 @@ def _falcon_kv(m: nn.Module) -> int:
     return 1 if m.multi_query else m.num_heads
 
 
-def _falcon_refusal(m: nn.Module) -> str | None:
-    return implementation_refusal(m)
-
-
 def _falcon_spec(layout: str) -> AttentionSpec:
     return AttentionSpec(
         qkv="query_key_value", fused=layout, o="dense", num_heads="num_heads", num_kv_heads=_falcon_kv,
-        head_dim="head_dim", linear_types=(FALCON_LINEAR,), kind="hf_falcon", refuse=_falcon_refusal,
+        head_dim="head_dim", linear_types=(FALCON_LINEAR,), kind="hf_falcon", refuse=implementation_refusal,
         fixed_head_order=lambda m: ALIBI if m.config.alibi else "",
     )
 
@@ -287,7 +264,8 @@ HF_SPECS: dict[str, AttentionSpec] = {
         rope=_partial("split_half"), kind="hf_gpt_neox", refuse=implementation_refusal),
     _path("gptj", "GPTJAttention"): AttentionSpec(
         q="q_proj", k="k_proj", v="v_proj", o="out_proj", num_heads="num_attention_heads", head_dim="head_dim",
-        rope=_gptj_rope, kind="hf_gptj", refuse=implementation_refusal, float32_steps=_gptj_float32),
+        rope=lambda m: RopeSpec("interleaved", m.rotary_dim), kind="hf_gptj", refuse=_gptj_refusal,
+        float32_steps=_gptj_float32),
     _path("opt", "OPTAttention"): AttentionSpec(
         q="q_proj", k="k_proj", v="v_proj", o="out_proj", num_heads="num_heads", head_dim="head_dim", kind="hf_opt",
         refuse=implementation_refusal),
@@ -327,8 +305,3 @@ HF_ADAPTERS[_path("gpt_bigcode", "GPTBigCodeAttention")] = adapt_hf_bigcode
 
 # Modules named like attention that only wrap one (their child is claimed).
 HF_WRAPPERS = (_path("t5", "T5LayerSelfAttention"), _path("t5", "T5LayerCrossAttention"))
-
-
-def hf_adapter(path: str):
-    """The built-in adapter for the Hugging Face class at import path ``path``."""
-    return HF_ADAPTERS[path]
