@@ -2,7 +2,8 @@
 
 Attention has continuous symmetries (gauges): ``W_Q ← AᵀW_Q, W_K ← A⁻¹W_K`` and
 ``W_V ← CᵀW_V, W_O ← W_O C⁻ᵀ`` per head leave the function unchanged. gaugeopt finds them in
-a model (:func:`find_attention`), fixes them while training (GaugeFix-LRM), projects
+a model (:func:`find_attention`; :class:`AttentionSpec` describes a new architecture and
+:func:`certify` proves the description on it), fixes them while training (GaugeFix-LRM), projects
 optimizer updates orthogonally to them, and canonicalises, compares and merges checkpoints.
 
 The core imports only torch. Lightning callbacks live in :mod:`gaugeopt.callbacks`, Triton
@@ -32,12 +33,18 @@ from gaugeopt.structure.rope import RopeSpec
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.registry import find_attention, register_adapter
 from gaugeopt.structure.linears import site_from_linears
+from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
+from gaugeopt.structure.certificate import CertificateReport, certify
 from gaugeopt.fix.transport import register_state_rule
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AttentionSite",
+    "AttentionSpec",
+    "CertificateReport",
+    "QKNormSpec",
+    "certify",
     "GaugeError",
     "GaugeFixReport",
     "GaugeFixer",

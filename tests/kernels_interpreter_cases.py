@@ -42,6 +42,7 @@ ZOO = [  # (model, lrm, dtype): each layout once; the dtype alternates (the inte
     ("gpt_rope_split_half_gqa", True, F64),  # multipliers, RoPE planes, GQA
     ("hf_gpt2", True, F32),
     ("hf_llama", True, F64),
+    ("hf_gpt_neox", False, F32),  # fused [q_i, k_i, v_i] per head: strided head views, partial RoPE
 ]
 
 

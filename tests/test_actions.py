@@ -133,13 +133,3 @@ def test_float32_valid_actions_stay_at_rounding_level():
     case = zoo.build("gpt_rope_split_half_gqa", lrm=True, dtype=torch.float32)
     moved = gaugeopt.random_gauge_transform(case.copy(), "all", generator=torch.Generator().manual_seed(0))
     assert gaugeopt.relative_change(case.logits(), case.logits(moved)) < 1e-5
-
-
-def test_check_invariance_report():
-    from gaugeopt.structure.invariance import check_invariance
-
-    case = zoo.build("hf_llama")
-    report = check_invariance(case.model, case.forward)
-    assert report["valid"] <= VALID_TOL
-    assert set(report["invalid"]) == set(INVALID_KINDS)
-    assert min(report["invalid"].values()) >= INVALID_MIN

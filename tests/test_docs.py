@@ -29,5 +29,15 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
 
 
 def test_every_page_with_code_is_covered():
-    assert {"gaugefix.md", "projection.md", "model_tools.md", "lightning.md", "integrations.md"} <= {
+    assert {"gaugefix.md", "projection.md", "model_tools.md", "lightning.md", "integrations.md", "adapters.md"} <= {
         p.name for p in PAGES if _blocks(p)}
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run ends with exactly the README's test command, and makes missing model libraries fail."""
+    readme = (REPO / "README.md").read_text()
+    command = re.search(r"# the test suite \(what CI runs\)\n(.*?)\n```", readme).group(1)
+    ci = (REPO / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1] == command
+    assert "pip install --no-deps -r tests/requirements-models.txt" in command
+    assert "export GAUGEOPT_REQUIRE_MODELS=1" in ci

@@ -2,7 +2,8 @@
 
 ``build(name, seed)`` returns a :class:`Case`: the model (random generic parameters), an
 input batch and ``forward(model) -> logits``. Hugging Face models are built from configs (no
-hub access) with eager attention.
+hub access). The outside families (nanoGPT, litgpt, timm, torchtitan and the other Hugging Face
+classes) live in ``zoo_families``; ``build`` hands their names to it.
 """
 
 from __future__ import annotations
@@ -124,6 +125,10 @@ def forward_fn(name: str) -> Callable[[nn.Module], torch.Tensor]:
 
 
 def build(name: str, seed: int = 0, *, lrm: bool = False, dtype=torch.float64) -> Case:
+    import zoo_families  # the outside families (a sibling module: it builds on Case)
+
+    if name in zoo_families.FAMILY:
+        return zoo_families.build(name, seed, lrm=lrm, dtype=dtype)
     torch.manual_seed(seed)
     model = raw_model(name)
     if lrm:

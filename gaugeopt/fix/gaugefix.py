@@ -56,6 +56,7 @@ from gaugeopt.fix.report import GaugeFixReport, PairRecord
 from gaugeopt.fix.torch_backend import StateMap, TorchFix
 from gaugeopt.fix.transport import classify_state, transport_entries, unwrap_optimizer
 from gaugeopt.kernels import dispatch
+from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.site import AttentionSite
 
@@ -143,6 +144,7 @@ class GaugeFixer:
         self._device = next(iter(self._params.values()))[1].device
         self._runner = None
         self._key = None
+        self._certified = False
         self.decision: dispatch.Decision | None = None
 
     def _classify(self) -> tuple[dict[str, list[str]], StateMap]:
@@ -186,6 +188,9 @@ class GaugeFixer:
         return self._runner
 
     def __call__(self) -> GaugeFixReport:
+        if not self._certified:  # a fix through a record nobody proved could change the model silently
+            require_certified(self.sites, "gauge_fix")
+            self._certified = True
         outcome, state = self._classify()
         runner = self._backend_for(state)
         numbers = runner.run()

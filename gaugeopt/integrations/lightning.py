@@ -28,6 +28,15 @@ of the optimizer state.
 **Checkpoints.** ``state_dict`` holds the step and fix counters only; a resumed run continues
 bit-identically (on CPU) to an uninterrupted one.
 
+**Certificate.** Records from built-in adapters are verified by the test suite; any other record
+(your :class:`gaugeopt.AttentionSpec` or ``register_adapter``) is certified on the first training
+batch (``certify=True``, the default): the callback records the real call of each such attention
+module during that batch's forward — the batch exactly as your ``training_step`` feeds it — and
+runs :func:`gaugeopt.certify`'s checks on those calls before the first optimizer step. A record
+that fails stops the run with a :class:`~gaugeopt.errors.GaugeError` naming the layer and sector.
+With ``certify=False`` such records are refused at ``setup`` unless the model was certified
+already (``gaugeopt.certify(model, example_batch)``).
+
 Example:
     >>> import lightning.pytorch as pl
     >>> from gaugeopt.callbacks import GaugeFix, GaugeMonitor
@@ -73,6 +82,15 @@ class _StepCounter(StepCounter, Callback):
         self.attach(owning_optimizer(trainer.optimizers, self.watched_params(), type(self).__name__))
 
     @override
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.begin_certificate()
+
+    @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # the closure has run the forward (recording the attention calls) but not yet the step
+        self.finish_certificate()
+
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = self.pop_metrics()
         if metrics:
@@ -88,7 +106,8 @@ class GaugeFix(FixSteps, _StepCounter):
 
     Arguments as :class:`gaugeopt.integrations.steps.FixSteps` (``every=100``, ``granularity``,
     ``transport_state``, ``vo``, ``mode``, ``unknown_state``, ``product_decay``/``product_max``,
-    ``sites`` — default ``find_attention(pl_module)`` at ``setup`` —, ``log_per_layer``, ``prefix``);
+    ``sites`` — default ``find_attention(pl_module)`` at ``setup`` —, ``log_per_layer``, ``prefix``,
+    ``certify``);
     ``granularity="channel"`` on a RoPE model is refused at ``setup``.
 
     Logged (at the batch of each fix): ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
@@ -112,7 +131,7 @@ class GaugeMonitor(_StepCounter):
     Logs ``{prefix}qk_drift`` (paper 002 eq. 3), ``{prefix}qk_scale_product`` (mean ``s_Q·s_K``
     over heads) and, with ``vertical_fraction=True``, ``{prefix}vertical_fraction`` of the
     update the optimizer just applied (``‖Δθ_vert‖/‖Δθ‖`` over the attention parameters; the
-    parameters are snapshotted only right before a measured step).
+    parameters are snapshotted only right before a measured step). ``certify`` as :class:`GaugeFix`.
 
     Example:
         >>> from gaugeopt.callbacks import GaugeMonitor
@@ -128,8 +147,9 @@ class GaugeMonitor(_StepCounter):
         mode: str = "auto",
         sites: Sequence[AttentionSite] | None = None,
         prefix: str = "gauge/",
+        certify: bool = True,
     ) -> None:
-        super().__init__(every, sites, prefix)
+        super().__init__(every, sites, prefix, certify)
         check_choice("mode", mode, MODES)
         self.mode = mode
         self.measure_vertical = vertical_fraction
@@ -179,6 +199,7 @@ class GaugeProjection(ProjectSteps, _StepCounter):
         log_every: log ``{prefix}vertical_fraction_{target}`` (the fraction removed) every this
             many optimizer steps; reading it is the only host synchronisation.
         sites: attention sites (default: ``find_attention(pl_module)``).
+        certify: certify unverified records on the first training batch (as :class:`GaugeFix`).
         projector_kwargs: extra options for :class:`gaugeopt.GaugeProjector`.
 
     Example:
@@ -192,5 +213,6 @@ class GaugeProjection(ProjectSteps, _StepCounter):
         # Lightning evaluates the closure (forward, backward) *inside* optimizer.step, after the
         # step pre-hooks; this hook runs once the gradients exist (accumulated, AMP-unscaled),
         # before clipping and the step.
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)  # the certificate first
         if self.target == "grad" and optimizer is self._optimizer:
             self.project_grads()

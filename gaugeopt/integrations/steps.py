@@ -48,6 +48,8 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.plan import check_choice, check_fix_options
+from gaugeopt.structure.certificate import CallRecorder, CertificateReport, certify_calls
+from gaugeopt.structure.certified import is_certified, require_certified
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.site import AttentionSite
 
@@ -129,6 +131,10 @@ class StepCounter:
         every: act after optimizer steps ``every, 2·every, ...``.
         sites: attention sites (default: ``find_attention(model)`` at :meth:`bind`).
         prefix: prefix of the metric names.
+        certify: certify records no built-in adapter verifies on the first training batch
+            (:meth:`begin_certificate` when the batch starts, :meth:`finish_certificate` before the
+            first action); ``False`` refuses such records at :meth:`bind` unless the model was
+            certified already (:func:`gaugeopt.certify`).
     """
 
     every: int
@@ -137,7 +143,13 @@ class StepCounter:
     # would take the fix for a vertical step and undo it.
     hook_rank = 1
 
-    def __init__(self, every: int, sites: Sequence[AttentionSite] | None = None, prefix: str = "gauge/") -> None:
+    def __init__(self, every: int, sites: Sequence[AttentionSite] | None = None, prefix: str = "gauge/",
+                 certify: bool = True) -> None:
+        if not isinstance(certify, bool):
+            raise GaugeError(f"certify={certify!r} must be True or False")
+        self.certify = certify
+        self.certificate: CertificateReport | None = None
+        self._recorder: CallRecorder | None = None
         self.every = check_every(every)
         self._given_sites = None if sites is None else list(sites)
         self.prefix = prefix
@@ -158,6 +170,8 @@ class StepCounter:
         """Find ``model``'s attention sites (unless given) and validate the options against them."""
         self._module = model
         self.sites = self._given_sites if self._given_sites is not None else find_attention(model)
+        if not self.certify:
+            require_certified(self.sites, f"{type(self).__name__}(certify=False)")
         self._validate(self.sites)
 
     def _validate(self, sites: list[AttentionSite]) -> None:
@@ -186,8 +200,11 @@ class StepCounter:
             ]
 
     def detach(self) -> None:
-        """Remove the step hooks."""
+        """Remove the step hooks (and a call recorder left open)."""
         self._unhook()
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
         if self._optimizer is not None and self in _ATTACHED.get(self._optimizer, ()):
             _ATTACHED[self._optimizer].remove(self)
 
@@ -206,11 +223,35 @@ class StepCounter:
         self.attach(owning_optimizer(optimizers, self.watched_params(), type(self).__name__))
         return self
 
+    # -- the certificate -------------------------------------------------------------------
+    def _uncertified(self) -> list[AttentionSite]:
+        return [s for s in self.sites if not is_certified(s)]
+
+    def begin_certificate(self) -> None:
+        """At the start of a training batch: record the real calls of the attention modules whose
+        records still need a certificate (once; nothing to do for built-in adapters)."""
+        if self.certify and self._recorder is None and self.certificate is None and self._uncertified():
+            self._recorder = CallRecorder(self._uncertified())
+
+    def finish_certificate(self) -> None:
+        """Before the first action: certify the records on the calls recorded since
+        :meth:`begin_certificate`; a record that fails raises :class:`GaugeError` naming the layer
+        and the sector. Another counter's certificate of the same records counts."""
+        if self._recorder is None:
+            return
+        recorder, self._recorder = self._recorder, None
+        recorder.close()
+        todo = self._uncertified()
+        if todo:
+            self.certificate = certify_calls(todo, recorder.calls)
+            self._pending.update({f"{self.prefix}{k}": v for k, v in self.certificate.as_dict().items()})
+
     # -- the hooks -------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs) -> None:
         pass
 
     def _post_step(self, optimizer, args, kwargs) -> None:
+        self.finish_certificate()  # loops without a hook between the forward and the step
         self.optimizer_steps += 1
         if self.should_run(self.optimizer_steps):
             self._pending.update(self._act(optimizer))
@@ -247,6 +288,7 @@ class FixSteps(StepCounter):
         sites: attention sites (default: ``find_attention(model)`` at :meth:`bind`).
         log_per_layer: also report per-layer drift and scale product.
         prefix: metric name prefix.
+        certify: as :class:`StepCounter`.
 
     Metrics of each fix: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
     ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}heads_fixed``, ``{prefix}fixes``, ...
@@ -268,8 +310,9 @@ class FixSteps(StepCounter):
         sites: Sequence[AttentionSite] | None = None,
         log_per_layer: bool = False,
         prefix: str = "gauge/",
+        certify: bool = True,
     ) -> None:
-        super().__init__(every, sites, prefix)
+        super().__init__(every, sites, prefix, certify)
         check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
                           product_decay=product_decay, product_max=product_max)
         self.options = dict(
@@ -353,11 +396,12 @@ class ProjectSteps(StepCounter):
         log_every: int = 50,
         sites: Sequence[AttentionSite] | None = None,
         prefix: str = "gauge/",
+        certify: bool = True,
         **projector_kwargs: Any,
     ) -> None:
         from gaugeopt.projection.projector import MODES as PROJECTION_MODES
 
-        super().__init__(check_every(log_every, "log_every"), sites, prefix)
+        super().__init__(check_every(log_every, "log_every"), sites, prefix, certify)
         check_choice("mode", mode, PROJECTION_MODES)
         check_choice("target", target, ("update", "grad"))
         self.mode, self.target, self.sectors = mode, target, sectors
@@ -401,6 +445,7 @@ class ProjectSteps(StepCounter):
         """``g ← g − Π_vert(g)`` for the gauge parameters' gradients, now."""
         from gaugeopt.projection.step import remove_vertical_grad_
 
+        self.finish_certificate()
         self._norms = remove_vertical_grad_(self.projector, self._module)
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
@@ -414,6 +459,7 @@ class ProjectSteps(StepCounter):
     def _post_step(self, optimizer, args, kwargs) -> None:
         from gaugeopt.projection.step import remove_vertical_update_
 
+        self.finish_certificate()
         if self.target == "update" and self._before is not None:
             self._norms = remove_vertical_update_(self.projector, self._module, self._before)
             self._before = None

@@ -38,7 +38,7 @@ Example:
     >>> from gaugeopt.integrations.transformers import GaugeFixCallback, GaugeProjectionCallback
     >>> cb = GaugeFixCallback(every=100)
     >>> cb.state()
-    {'args': {'every': 100, 'granularity': 'auto', 'transport_state': True, 'vo': False, 'vo_granularity': 'head', 'mode': 'auto', 'unknown_state': 'error', 'product_decay': None, 'product_max': None, 'log_per_layer': False, 'prefix': 'gauge/'}, 'attributes': {'optimizer_steps': 0, 'fixes': 0}}
+    {'args': {'every': 100, 'granularity': 'auto', 'transport_state': True, 'vo': False, 'vo_granularity': 'head', 'mode': 'auto', 'unknown_state': 'error', 'product_decay': None, 'product_max': None, 'log_per_layer': False, 'prefix': 'gauge/', 'certify': True}, 'attributes': {'optimizer_steps': 0, 'fixes': 0}}
     >>> GaugeProjectionCallback(target="grad").target
     'grad'
 """
@@ -87,6 +87,9 @@ class _TrainerSide(TrainerCallback, ExportableState):
         self.check_conflicts(optimizer)
         self.attach(owning_optimizer(optimizer, self.watched_params(), type(self).__name__))
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.begin_certificate()  # records of no built-in adapter: certified on this step's forward
+
     def on_step_end(self, args, state, control, **kwargs):
         if self._pending:
             control.should_log = True
@@ -120,7 +123,8 @@ class GaugeFixCallback(_TrainerSide, FixSteps):
 
     Arguments as :class:`gaugeopt.integrations.steps.FixSteps` (``every=100``, ``granularity``,
     ``transport_state``, ``vo``, ``vo_granularity``, ``mode``, ``unknown_state``,
-    ``product_decay``/``product_max``, ``log_per_layer``, ``prefix``); the sites are
+    ``product_decay``/``product_max``, ``log_per_layer``, ``prefix``, ``certify`` — records of no
+    built-in adapter are certified on the first step's forward); the sites are
     ``find_attention(trainer.model)``, found and checked when the ``Trainer`` is built.
 
     Logged at each fix's step: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
@@ -146,16 +150,17 @@ class GaugeFixCallback(_TrainerSide, FixSteps):
         product_max: float | None = None,
         log_per_layer: bool = False,
         prefix: str = "gauge/",
+        certify: bool = True,
     ) -> None:
         FixSteps.__init__(
             self, every, granularity, transport_state=transport_state, vo=vo, vo_granularity=vo_granularity, mode=mode,
             unknown_state=unknown_state, product_decay=product_decay, product_max=product_max,
-            log_per_layer=log_per_layer, prefix=prefix,
+            log_per_layer=log_per_layer, prefix=prefix, certify=certify,
         )
         self._args = _json_args(type(self).__name__, dict(
             every=every, granularity=granularity, transport_state=transport_state, vo=vo,
             vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state, product_decay=product_decay,
-            product_max=product_max, log_per_layer=log_per_layer, prefix=prefix,
+            product_max=product_max, log_per_layer=log_per_layer, prefix=prefix, certify=certify,
         ))
 
 
@@ -184,10 +189,13 @@ class GaugeProjectionCallback(_TrainerSide, ProjectSteps):
         sectors: str | Sequence[str] = "auto",
         log_every: int = 50,
         prefix: str = "gauge/",
+        certify: bool = True,
         **projector_kwargs: Any,
     ) -> None:
-        ProjectSteps.__init__(self, mode, target, sectors=sectors, log_every=log_every, prefix=prefix, **projector_kwargs)
+        ProjectSteps.__init__(self, mode, target, sectors=sectors, log_every=log_every, prefix=prefix, certify=certify,
+                              **projector_kwargs)
         sectors = sectors if isinstance(sectors, str) else list(sectors)
         self._args = _json_args(type(self).__name__, dict(
-            mode=mode, target=target, sectors=sectors, log_every=log_every, prefix=prefix, **projector_kwargs,
+            mode=mode, target=target, sectors=sectors, log_every=log_every, prefix=prefix, certify=certify,
+            **projector_kwargs,
         ))

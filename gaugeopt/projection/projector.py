@@ -84,6 +84,7 @@ from gaugeopt.kernels import dispatch
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.projection.multipliers import DiagonalSector, InternalSector
 from gaugeopt.projection.dense import DenseSector
+from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.projection.sylvester import default_rtol
@@ -275,6 +276,12 @@ class GaugeProjector:
         """Unit names of a sector: attention site names, or LRM layer names for ``lrm_internal``."""
         return self._impl[sector].units()
 
+    def _require_certified(self) -> None:
+        """Projected directions are only as right as the records: refuse an uncertified one."""
+        if not getattr(self, "_certified", False):
+            require_certified(self.sites, "GaugeProjector")
+            self._certified = True
+
     def _resolve(self, sectors) -> tuple[str, ...]:
         if sectors is None:
             return self.sectors
@@ -373,6 +380,7 @@ class GaugeProjector:
                 current parameters; entries not given are read from the model).
             norms: fill :attr:`Decomposition.norms` (one host synchronisation per unit).
         """
+        self._require_certified()
         secs = self._resolve(sectors)
         given, _ = self._as_dict(tensors)
         self._setup(given)
@@ -506,6 +514,7 @@ class GaugeProjector:
     # ------------------------------------------------------------------ public API
     def vertical(self, tensors: Tensors, *, sectors: Sequence[str] | None = None, at=None) -> dict[str, torch.Tensor]:
         """``{name: u_vert}`` over the sectors' parameters, in each input's dtype (float64 if absent)."""
+        self._require_certified()
         given, _ = self._as_dict(tensors)
         fused, rest = self._route(given, self._resolve(sectors), at)
         out: dict[str, torch.Tensor] = {}
@@ -532,6 +541,7 @@ class GaugeProjector:
         ``named_parameters()``. With ``inplace=True`` the given tensors are updated in place
         (entries that were missing are created in the returned container only).
         """
+        self._require_certified()
         given, kind = self._as_dict(tensors)
         fused, rest = self._route(given, self._resolve(sectors), at)
         result = dict(given)
@@ -558,6 +568,7 @@ class GaugeProjector:
         """Yield ``(label, {name: tensor})``: the generator images of a basis of each sector's Lie
         algebra at θ (elementary matrices per KV group, ``I``/``J`` per RoPE plane, indicator
         vectors for the diagonal and internal gauges). For small models (diagnostics, tests)."""
+        self._require_certified()
         self._dtype_now, self._rtol_now, self._cg_tol_now = dtype, default_rtol(dtype), default_rtol(dtype)
         ctx = _Ctx(self, at)
         for s in self._resolve(sectors):

@@ -3,7 +3,10 @@
 * :mod:`.site` — :class:`TensorRef`, :class:`Projection`, :class:`AttentionSite`: one record per
   attention layer, with the canonical layouts every gauge computation reads;
 * :mod:`.registry` — the adapter registry and :func:`find_attention`;
-* :mod:`.linears` — building blocks for adapters (linear-like modules, fused row slices);
+* :mod:`.spec` — :class:`AttentionSpec`, the declarative adapter;
+* :mod:`.linears` — building blocks for adapters (linear-like modules, fused row layouts);
+* :mod:`.certificate`, :mod:`.certified` — :func:`certify` and the rule that gauge operations
+  use only verified or certified records;
 * :mod:`.rope` — rotation planes and the RoPE commutant;
 * :mod:`.lrm` — learnable multipliers (:class:`LRMLinear`, :func:`apply_lrm`);
 * :mod:`.actions` — finite gauge actions, random group elements, invalid controls;
@@ -14,5 +17,10 @@ from gaugeopt.structure.linears import site_from_linears
 from gaugeopt.structure.registry import find_attention, register_adapter
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 from gaugeopt.structure.site import AttentionSite, Projection, TensorRef
+from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
+from gaugeopt.structure.certificate import CertificateReport, certify
 
-__all__ = ["AttentionSite", "NO_ROPE", "Projection", "RopeSpec", "TensorRef", "find_attention", "register_adapter", "site_from_linears"]
+__all__ = [
+    "AttentionSite", "AttentionSpec", "CertificateReport", "NO_ROPE", "Projection", "QKNormSpec", "RopeSpec", "TensorRef",
+    "certify", "find_attention", "register_adapter", "site_from_linears",
+]

@@ -42,6 +42,7 @@ from gaugeopt.linalg import random_well_conditioned
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant
 from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.registry import find_attention
 
 __all__ = [
@@ -53,6 +54,9 @@ __all__ = [
     "rescale_lrm_internal",
     "random_gauge_transform",
     "invalid_gauge_transform",
+    "apply_valid",
+    "apply_invalid",
+    "random_lrm_internal",
     "relative_change",
     "VALID_KINDS",
     "INVALID_KINDS",
@@ -137,6 +141,13 @@ def permute_heads(site: AttentionSite, kv_perm: torch.Tensor, q_perm: torch.Tens
     """
     n = site.n_rep
     kv_perm = torch.as_tensor(kv_perm, dtype=torch.long)
+    if site.fixed_head_order and not (
+        torch.equal(kv_perm, torch.arange(site.h_kv)) and (q_perm is None or torch.equal(torch.as_tensor(q_perm), torch.arange(site.h)))
+    ):
+        raise GaugeError(
+            f"{site.name}: its heads may not be permuted ({site.fixed_head_order}); permuting them changes the "
+            "function (canonicalize with sort_heads=False)"
+        )
     if sorted(kv_perm.tolist()) != list(range(site.h_kv)):
         raise GaugeError(f"{site.name}: kv_perm={kv_perm.tolist()} is not a permutation of range({site.h_kv})")
     if q_perm is None:
@@ -263,12 +274,15 @@ def random_gauge_transform(
     """Apply a random valid gauge transformation to every attention layer, in place.
 
     Elements are well conditioned (singular values in ``[e^{-s}, e^{s}]``, ``s = log_scale``)
-    so the transformed model computes the same function to a few ulps.
+    so the transformed model computes the same function to a few ulps. A layer whose record
+    comes from an adapter the test suite has not verified must be certified first
+    (:func:`gaugeopt.certify`).
 
     Args:
         model: the model (modified and returned).
         kinds: any of ``"qk"`` (``GL(d_k)`` per KV group, restricted to the RoPE commutant),
-            ``"vo"`` (``GL(d_v)``), ``"perm"`` (head permutations), ``"lrm_qk"``, ``"lrm_vo"``
+            ``"vo"`` (``GL(d_v)``), ``"perm"`` (head permutations, in the layers whose heads may be
+            permuted: not under ALiBi or T5's relative bias), ``"lrm_qk"``, ``"lrm_vo"``
             (diagonal multiplier gauges), ``"lrm_internal"`` (every LRM layer's internal
             rescaling), or ``"all"`` for every kind the model has.
         generator: a ``torch.Generator`` or an integer seed, for reproducibility.
@@ -279,6 +293,7 @@ def random_gauge_transform(
     """
     generator = as_generator(generator, "random_gauge_transform")
     sites = _sites(model, sites)
+    require_certified(sites, "random_gauge_transform")
     has_lrm = any(isinstance(m, LRMLinear) for m in model.modules())
     if kinds == "all":
         kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm")
@@ -288,31 +303,51 @@ def random_gauge_transform(
         raise GaugeError(f"random_gauge_transform: unknown kinds {bad}; valid kinds are {VALID_KINDS} or 'all'")
     g = generator
     for site in sites:
-        dtype = torch.float64
-        if "lrm_qk" in kinds:
-            pid = plane_index(site.rope, site.d_k)
-            per_plane = _log_uniform((site.h_kv, int(pid.max()) + 1), log_scale, g, dtype)
-            scale_qk_multipliers(site, per_plane[:, pid])
-        if "lrm_vo" in kinds:
-            scale_vo_multipliers(site, _log_uniform((site.h_kv, site.d_v), log_scale, g, dtype))
-        if "qk" in kinds:
-            act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
-        if "vo" in kinds:
-            act_vo(site, random_well_conditioned(site.h_kv, site.d_v, log_scale=log_scale, generator=g))
-        if "perm" in kinds:
-            kv_perm = torch.randperm(site.h_kv, generator=g)
-            within = torch.argsort(torch.rand(site.h_kv, site.n_rep, generator=g), dim=1)
-            q_perm = (kv_perm[:, None] * site.n_rep + within).reshape(-1)
-            permute_heads(site, kv_perm, q_perm)
+        for kind in _SITE_ORDER:
+            if kind in kinds and not (kind == "perm" and site.fixed_head_order):
+                apply_valid(site, kind, g, log_scale=log_scale)
     if "lrm_internal" in kinds:
         if not has_lrm:
             raise GaugeError("random_gauge_transform: kind 'lrm_internal' needs learnable multipliers (gaugeopt.apply_lrm)")
         for m in model.modules():
             if isinstance(m, LRMLinear):
-                t = _log_uniform((m.out_features,), log_scale, g, torch.float64)
-                s = [_log_uniform((m.in_features,), log_scale, g, torch.float64) for _ in m.split_sizes]
-                rescale_lrm_internal(m, t, s)
+                random_lrm_internal(m, g, log_scale=log_scale)
     return model
+
+
+# the per-site kinds, in the order random_gauge_transform applies them
+_SITE_ORDER = ("lrm_qk", "lrm_vo", "qk", "vo", "perm")
+
+
+def apply_valid(site: AttentionSite, kind: str, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
+    """Apply one random valid element of the per-site gauge ``kind`` (``"qk"``, ``"vo"``, ``"perm"``,
+    ``"lrm_qk"``, ``"lrm_vo"``) to ``site``, in place (no certificate check: the building block of
+    :func:`random_gauge_transform` and :func:`gaugeopt.certify`)."""
+    g, dtype = generator, torch.float64
+    if kind == "lrm_qk":
+        pid = plane_index(site.rope, site.d_k)
+        per_plane = _log_uniform((site.h_kv, int(pid.max()) + 1), log_scale, g, dtype)
+        scale_qk_multipliers(site, per_plane[:, pid])
+    elif kind == "lrm_vo":
+        scale_vo_multipliers(site, _log_uniform((site.h_kv, site.d_v), log_scale, g, dtype))
+    elif kind == "qk":
+        act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
+    elif kind == "vo":
+        act_vo(site, random_well_conditioned(site.h_kv, site.d_v, log_scale=log_scale, generator=g))
+    elif kind == "perm":
+        kv_perm = torch.randperm(site.h_kv, generator=g)
+        within = torch.argsort(torch.rand(site.h_kv, site.n_rep, generator=g), dim=1)
+        q_perm = (kv_perm[:, None] * site.n_rep + within).reshape(-1)
+        permute_heads(site, kv_perm, q_perm)
+    else:
+        raise GaugeError(f"apply_valid: kind={kind!r} is not one of {_SITE_ORDER}")
+
+
+def random_lrm_internal(module: LRMLinear, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
+    """A random element of one LRM layer's internal gauge (:func:`rescale_lrm_internal`)."""
+    t = _log_uniform((module.out_features,), log_scale, generator, torch.float64)
+    s = [_log_uniform((module.in_features,), log_scale, generator, torch.float64) for _ in module.split_sizes]
+    rescale_lrm_internal(module, t, s)
 
 
 def invalid_gauge_transform(
@@ -338,28 +373,39 @@ def invalid_gauge_transform(
     if kind not in INVALID_KINDS:
         raise GaugeError(f"invalid_gauge_transform: kind={kind!r} is not one of {INVALID_KINDS}")
     sites = _sites(model, sites)
+    require_certified(sites, "invalid_gauge_transform")
     g = as_generator(generator, "invalid_gauge_transform")
     if kind == "gl_under_rope" and not any(s.rope.active for s in sites):
         raise GaugeError("invalid_gauge_transform: 'gl_under_rope' needs a model with RoPE")
     if kind == "cross_head" and all(s.h_kv == 1 for s in sites):
         raise GaugeError("invalid_gauge_transform: 'cross_head' needs at least two KV heads")
     for site in sites:
-        rwc = lambda n, d: random_well_conditioned(n, d, log_scale=log_scale, generator=g)  # noqa: E731
-        if kind == "asymmetric_qk":
-            A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
-            B = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
-            act_qk(site, A, B_inv=torch.linalg.inv(B))
-        elif kind == "wrong_inverse":
-            A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
-            act_qk(site, A, B_inv=A.mT)
-        elif kind == "vo_mismatch":
-            act_vo(site, rwc(site.h_kv, site.d_v), D=rwc(site.h_kv, site.d_v))
-        elif kind == "gl_under_rope":
-            if site.rope.active:
-                act_qk(site, rwc(site.h_kv, site.d_k), check=False)
-        elif kind == "cross_head":
-            _mix_heads(site, rwc(1, site.h_kv * site.d_k)[0])
+        apply_invalid(site, kind, g, log_scale=log_scale)
     return model
+
+
+def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
+    """Apply the negative control ``kind`` (:data:`INVALID_KINDS`) to one site, in place; a control
+    that does not apply to the site (``gl_under_rope`` without RoPE, ``cross_head`` with one KV
+    head) leaves it unchanged."""
+    g = generator
+    rwc = lambda n, d: random_well_conditioned(n, d, log_scale=log_scale, generator=g)  # noqa: E731
+    if kind == "asymmetric_qk":
+        A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
+        B = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
+        act_qk(site, A, B_inv=torch.linalg.inv(B))
+    elif kind == "wrong_inverse":
+        A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
+        act_qk(site, A, B_inv=A.mT)
+    elif kind == "vo_mismatch":
+        act_vo(site, rwc(site.h_kv, site.d_v), D=rwc(site.h_kv, site.d_v))
+    elif kind == "gl_under_rope":
+        if site.rope.active:
+            act_qk(site, rwc(site.h_kv, site.d_k), check=False)
+    elif kind == "cross_head":
+        _mix_heads(site, rwc(1, site.h_kv * site.d_k)[0])
+    else:
+        raise GaugeError(f"apply_invalid: kind={kind!r} is not one of {INVALID_KINDS}")
 
 
 @torch.no_grad()

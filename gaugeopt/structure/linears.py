@@ -1,4 +1,36 @@
-"""Building blocks for adapters: linear-like modules, fused row slices, records from linears."""
+"""Building blocks for adapters: linear-like modules, fused row layouts, records from linears.
+
+A projection is *linear-like* when its forward is ``y = x Wᵀ + b`` over its own ``weight`` and
+``bias``: ``nn.Linear`` (exact class), Hugging Face ``Conv1D`` (stored ``in×out``), gaugeopt's
+:class:`~gaugeopt.structure.lrm.LRMLinear`, and subclasses of ``nn.Linear`` that an adapter
+*declares* (Falcon's ``FalconLinear``, torchtitan's ``Linear``): a subclass may compute something
+else (LoRA, quantisation), so it is accepted only by name.
+
+Fused Q/K/V projections store the rows of the three projections in one weight. Three layouts are
+in use (``h`` query heads, ``h_kv`` KV heads, ``r = h / h_kv``, widths ``d_k``, ``d_v``):
+
+=============  ===================================================  ==========================================
+layout         rows                                                 models
+=============  ===================================================  ==========================================
+``concat``     ``[Q | K | V]``: all query heads, then keys, values  nanoGPT, litgpt, timm, GPT-2, Phi-3
+``grouped``    per KV group ``g``: ``[q_(g,0..r-1), k_g, v_g]``     Falcon (new architecture), torchtitan
+``per_head``   per head ``i``: ``[q_i, k_i, v_i]`` (``h = h_kv``)    GPT-NeoX, Bloom, Falcon (old, MHA), BigCode
+=============  ===================================================  ==========================================
+
+Every record addresses a projection through a :class:`~gaugeopt.structure.site.TensorRef`, a
+*view* of the stored parameter. ``grouped`` with ``1 < h_kv < h`` has none: the query rows of
+one group are interrupted by that group's key and value rows, so the query heads are not equally
+spaced and ``W_Q`` has no ``(h, d_k, d)`` view. It is refused; with ``h_kv = 1`` it is ``concat``
+and with ``h_kv = h`` it is ``per_head``.
+
+Example:
+    >>> import torch.nn as nn
+    >>> from gaugeopt.structure.linears import fused_qkv_refs
+    >>> qkv = nn.Linear(16, 48)                      # h = h_kv = 2 heads of width 8, [q_i, k_i, v_i]
+    >>> q, k, v = fused_qkv_refs(qkv, "attn.qkv", layout="per_head", h=2, h_kv=2, d_k=8, d_v=8, d_model=16)
+    >>> k.weight.get().shape, k.weight.get()[1, 0].data_ptr() == qkv.weight[24 + 8].data_ptr()
+    (torch.Size([2, 8, 16]), True)
+"""
 
 from __future__ import annotations
 
@@ -11,24 +43,40 @@ from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.site import AttentionSite, Projection, TensorRef
 
-__all__ = ["linear_like", "projection_refs", "fused_rows", "site_from_linears"]
+__all__ = ["FUSED_LAYOUTS", "linear_like", "projection_refs", "fused_rows", "fused_qkv_refs", "site_from_linears"]
+
+FUSED_LAYOUTS = ("concat", "grouped", "per_head")
+
 
 def _qualify(prefix: str, *parts: str) -> str:
     return ".".join(p for p in (prefix, *parts) if p)
 
 
-def linear_like(module: nn.Module) -> tuple[bool, int, int]:
-    """``(transposed, out_features, in_features)`` of an ``nn.Linear``, HF ``Conv1D`` or
-    :class:`~gaugeopt.structure.lrm.LRMLinear`; raises :class:`GaugeError` for anything else."""
+def class_path(cls: type) -> str:
+    """``"package.module.Class"`` of a class (how optional libraries' classes are named)."""
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _declared(module: nn.Module, accept: Sequence[type | str]) -> bool:
+    cls = type(module)
+    return any(cls is a if isinstance(a, type) else class_path(cls) == a for a in accept)
+
+
+def linear_like(module: nn.Module, accept: Sequence[type | str] = ()) -> tuple[bool, int, int]:
+    """``(transposed, out_features, in_features)`` of an ``nn.Linear``, HF ``Conv1D``,
+    :class:`~gaugeopt.structure.lrm.LRMLinear` or a declared ``nn.Linear`` subclass (``accept``:
+    classes or import paths); raises :class:`GaugeError` for anything else."""
     if type(module) is nn.Linear or type(module) is LRMLinear:
         return False, module.out_features, module.in_features
     if type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers"):
         return True, module.nf, module.weight.shape[0]
+    if isinstance(module, nn.Linear) and _declared(module, accept):
+        return False, module.weight.shape[0], module.weight.shape[1]
     raise GaugeError(
         f"expected nn.Linear, transformers Conv1D or gaugeopt LRMLinear, got {type(module).__qualname__}; "
         "a wrapped projection (LoRA, quantised, ...) changes the function the gauge acts on"
+        + (f" (this adapter also accepts {', '.join(a if isinstance(a, str) else a.__qualname__ for a in accept)})"
+           if accept else "")
     )
 
 
@@ -42,24 +90,30 @@ def projection_refs(
     heads: int,
     width: int,
     d_model: int,
+    groups: int | None = None,
+    accept: Sequence[type | str] = (),
 ) -> Projection:
     """Refs for the rows ``rows`` (split number ``split`` of a fused layer) of a linear-like
     ``module``. ``canon="in"`` gives the Q/K/V layout ``(heads, width, d_model)``;
-    ``canon="out"`` the O layout ``(d_model, heads, width)``."""
-
-
-    transposed, _, _ = linear_like(module)
+    ``canon="out"`` the O layout ``(d_model, heads, width)``. With ``groups``, ``rows`` selects
+    inside each of ``groups`` equal row blocks (:class:`~gaugeopt.structure.site.TensorRef`)."""
+    transposed, _, _ = linear_like(module, accept)
     if canon == "in":
         wshape = (heads, width, d_model)
-        weight = TensorRef(module, "weight", _qualify(module_name, "weight"), wshape, transposed, rows)
+        weight = TensorRef(module, "weight", _qualify(module_name, "weight"), wshape, transposed, rows, groups)
     else:
         weight = TensorRef(module, "weight", _qualify(module_name, "weight"), (d_model, heads, width), transposed, rows)
     bias = None
     if getattr(module, "bias", None) is not None:
         bshape = (heads, width) if canon == "in" else (d_model,)
-        bias = TensorRef(module, "bias", _qualify(module_name, "bias"), bshape, False, rows)
+        bias = TensorRef(module, "bias", _qualify(module_name, "bias"), bshape, False, rows, groups)
     row_mult = col_mult = None
     if type(module) is LRMLinear:
+        if groups is not None:
+            raise GaugeError(
+                f"{module_name}: learnable multipliers need the Q, K and V rows of a fused projection in contiguous "
+                "blocks; this layout interleaves them per head (see gaugeopt.apply_lrm)"
+            )
         rm, cm = module.row_mults, module.col_mults
         if canon == "in":
             row_mult = TensorRef(rm, str(split), _qualify(module_name, "row_mults", str(split)), (heads, width))
@@ -70,14 +124,12 @@ def projection_refs(
     return Projection(weight, bias, row_mult, col_mult)
 
 
-def fused_rows(module: nn.Module, sizes: Sequence[int]) -> list[slice]:
+def fused_rows(module: nn.Module, sizes: Sequence[int], accept: Sequence[type | str] = ()) -> list[slice]:
     """Row slices of a fused projection whose output is the concatenation of ``sizes``.
 
     For an :class:`~gaugeopt.structure.lrm.LRMLinear` the module's own split sizes must agree (the
     multipliers are per split)."""
-
-
-    _, out, _ = linear_like(module)
+    _, out, _ = linear_like(module, accept)
     if sum(sizes) != out:
         raise GaugeError(f"fused projection has {out} output rows, expected {' + '.join(map(str, sizes))}")
     if type(module) is LRMLinear and tuple(module.split_sizes) not in (tuple(sizes),):
@@ -90,6 +142,55 @@ def fused_rows(module: nn.Module, sizes: Sequence[int]) -> list[slice]:
         out_slices.append(slice(start, start + s))
         start += s
     return out_slices
+
+
+def fused_qkv_refs(
+    module: nn.Module,
+    module_name: str,
+    *,
+    layout: str,
+    h: int,
+    h_kv: int,
+    d_k: int,
+    d_v: int,
+    d_model: int,
+    accept: Sequence[type | str] = (),
+) -> tuple[Projection, Projection, Projection]:
+    """The Q, K and V projections of one fused linear-like ``module`` in ``layout`` (see the
+    module docstring): ``concat``, ``grouped`` or ``per_head``."""
+    if layout not in FUSED_LAYOUTS:
+        raise GaugeError(f"{module_name}: fused layout {layout!r} is not one of {FUSED_LAYOUTS}")
+    if h % h_kv:
+        raise GaugeError(f"{module_name}: num_heads={h} is not a multiple of num_kv_heads={h_kv}")
+    r = h // h_kv
+    if layout == "grouped" and h_kv == 1:
+        layout = "concat"  # [q_0 .. q_(h-1), k, v]
+    if layout == "grouped" and r == 1:
+        layout = "per_head"  # [q_i, k_i, v_i]
+    if layout == "grouped":
+        raise GaugeError(
+            f"{module_name}: a fused QKV grouped per KV group ([q_(g,0..{r - 1}), k_g, v_g] with {h_kv} groups of "
+            f"{r} query heads) has no strided view (h, d_k, d) of its query rows: each group's key and value rows "
+            "interrupt them. gaugeopt needs one; use separate Q/K/V projections for this model (torchtitan: "
+            "fuse_qkv=False), or a layout with num_kv_heads=1 or num_kv_heads=num_heads"
+        )
+    common = dict(canon="in", d_model=d_model, accept=accept)
+    if layout == "concat":
+        rows = fused_rows(module, (h * d_k, h_kv * d_k, h_kv * d_v), accept)
+        return tuple(  # type: ignore[return-value]
+            projection_refs(module, module_name, rows=rows[s], split=s, heads=heads, width=w, **common)
+            for s, (heads, w) in enumerate(((h, d_k), (h_kv, d_k), (h_kv, d_v)))
+        )
+    if h != h_kv:
+        raise GaugeError(f"{module_name}: the per-head layout [q_i, k_i, v_i] needs num_kv_heads = num_heads, got {h_kv} and {h}")
+    _, out, _ = linear_like(module, accept)
+    if out != h * (2 * d_k + d_v):
+        raise GaugeError(f"{module_name}: fused projection has {out} output rows, expected {h} × ({d_k} + {d_k} + {d_v})")
+    spans = (slice(0, d_k), slice(d_k, 2 * d_k), slice(2 * d_k, 2 * d_k + d_v))
+    return tuple(  # type: ignore[return-value]
+        projection_refs(module, module_name, rows=spans[s], split=s, heads=h, width=w, groups=h, **common)
+        for s, w in enumerate((d_k, d_k, d_v))
+    )
 
 
 def site_from_linears(
@@ -109,53 +210,29 @@ def site_from_linears(
 ) -> AttentionSite:
     """Build an :class:`AttentionSite` from four separate linear-like children of ``module``.
 
-    The manual spec API for an architecture without a built-in adapter: name the Q, K, V
-    and O children (``nn.Linear``, HF ``Conv1D`` or ``LRMLinear``), the head counts and the
-    RoPE convention. *You* vouch that the module's forward is standard scaled-dot-product
-    attention over these projections (no per-head normalisation, no extra learned keys);
-    :func:`gaugeopt.structure.invariance.check_invariance` verifies it numerically on your model.
+    A shorthand for :class:`gaugeopt.AttentionSpec` with separate projections (which also
+    describes fused layouts, head counts read from attributes, QK-norm and refusals). *You*
+    vouch that the module's forward is standard scaled-dot-product attention over these
+    projections; :func:`gaugeopt.certify` proves it numerically on your model, and gauge
+    operations refuse the record until it has.
 
     Args:
         module: the attention module; ``name`` its qualified name in the root model.
-        q, k, v, o: attribute names of the projections on ``module``.
+        q, k, v, o: attribute paths of the projections on ``module``.
         num_heads, num_kv_heads: query heads and key/value heads (GQA when fewer).
-        head_dim, v_head_dim: widths (default: Q rows / num_heads).
+        head_dim, v_head_dim: widths (default: Q rows / num_heads, V rows / num_kv_heads).
         rope: the RoPE convention (:class:`~gaugeopt.structure.rope.RopeSpec`).
     """
+    from gaugeopt.structure.spec import AttentionSpec
+
     if len({q, k, v}) < 3:
         raise GaugeError(
             f"{name}: q={q!r}, k={k!r}, v={v!r} name the same layer: that is a fused QKV projection, and "
             "site_from_linears takes separate Q, K and V linears. Describe the fused layout (its row order) "
-            "with an adapter spec instead; see docs/adapters.md"
+            "with gaugeopt.AttentionSpec(qkv=..., fused='concat'|'grouped'|'per_head') instead; see docs/adapters.md"
         )
-    mods = {}
-    for role, attr in (("q", q), ("k", k), ("v", v), ("o", o)):
-        if not hasattr(module, attr):
-            raise GaugeError(f"{name}: no attribute {attr!r} for the {role.upper()} projection")
-        mods[role] = getattr(module, attr)
-    h = num_heads
-    h_kv = num_kv_heads or h
-    _, q_out, d_model = linear_like(mods["q"])
-    d_k = head_dim or q_out // h
-    _, v_out, _ = linear_like(mods["v"])
-    d_v = v_head_dim or v_out // h_kv
-    attrs = {"q": q, "k": k, "v": v, "o": o}
-    refs = {}
-    for role, heads, width in (("q", h, d_k), ("k", h_kv, d_k), ("v", h_kv, d_v)):
-        _, out, _ = linear_like(mods[role])
-        if out != heads * width:
-            raise GaugeError(f"{name}.{attrs[role]}: {out} output rows, expected {heads}×{width}")
-        refs[role] = projection_refs(
-            mods[role], _qualify(name, attrs[role]), rows=None, split=0,
-            canon="in", heads=heads, width=width, d_model=d_model,
-        )
-    _, d_out, o_in = linear_like(mods["o"])
-    if o_in != h * d_v:
-        raise GaugeError(f"{name}.{o}: {o_in} input columns, expected {h}×{d_v}")
-    refs["o"] = projection_refs(
-        mods["o"], _qualify(name, o), rows=None, split=0, canon="out", heads=h, width=d_v, d_model=d_out
+    spec = AttentionSpec(
+        q=q, k=k, v=v, o=o, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        v_head_dim=v_head_dim, rope=rope, kind=kind, stock_forward=False,
     )
-    return AttentionSite(
-        name=name, module=module, h=h, h_kv=h_kv, d_k=d_k, d_v=d_v, d_model=d_model,
-        q=refs["q"], k=refs["k"], v=refs["v"], o=refs["o"], rope=rope, kind=kind,
-    )
+    return spec.build(module, name)

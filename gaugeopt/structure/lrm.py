@@ -135,12 +135,18 @@ def is_lrm(model: nn.Module) -> bool:
     return any(isinstance(m, LRMLinear) for m in model.modules())
 
 
-def _fused_layouts(model: nn.Module, sites) -> dict[int, tuple[int, ...]]:
-    """id(module) → split sizes for the fused QKV projections of the attention sites."""
-    layouts: dict[int, tuple[int, ...]] = {}
+def _fused_layouts(model: nn.Module, sites) -> dict[int, tuple[int, ...] | str]:
+    """id(module) → split sizes for the fused QKV projections of the attention sites, or the reason
+    the module cannot carry per-projection multipliers (its Q/K/V rows interleave per head)."""
+    layouts: dict[int, tuple[int, ...] | str] = {}
     for s in sites:
         q_owner = s.q.weight.owner
-        if s.k.weight.owner is q_owner:  # fused
+        if s.k.weight.owner is q_owner and s.q.weight.groups is not None:
+            layouts[id(q_owner)] = (
+                f"{s.q.weight.name.rpartition('.')[0]} stores the rows of Q, K and V interleaved per head "
+                f"([q_i, k_i, v_i], {s.kind}); learnable multipliers need the three in contiguous blocks"
+            )
+        elif s.k.weight.owner is q_owner:  # fused
             sizes = [s.h * s.d_k, s.h_kv * s.d_k]
             if s.v.weight.owner is q_owner:
                 sizes.append(s.h_kv * s.d_v)
@@ -159,8 +165,20 @@ def apply_lrm(
     Converts every ``nn.Linear`` (exact class) and Hugging Face ``Conv1D`` except: layers whose
     weight is shared with another module (a tied output head), and the projections inside
     ``nn.MultiheadAttention`` (whose forward reads the raw weight). Fused Q/K/V projections of
-    the attention sites found by :func:`gaugeopt.find_attention` get one multiplier block each.
-    A ``Conv1D``'s weight is stored transposed into ``nn.Linear`` layout.
+    the attention sites found by :func:`gaugeopt.find_attention` get one multiplier block each;
+    a fused projection that interleaves Q/K/V rows per head (GPT-NeoX, Bloom) is refused (exclude
+    it with ``include``). A ``Conv1D``'s weight is stored transposed into ``nn.Linear`` layout.
+
+    Fast paths that read a converted layer's ``weight`` directly would skip its multipliers.
+    ``nn.TransformerEncoderLayer`` has one (in eval mode without gradients it calls a fused kernel
+    with ``linear1.weight`` and ``linear2.weight``): for a layer whose feed-forward is converted,
+    the fast path is switched off (``activation_relu_or_gelu = 0``, which only that decision
+    reads) and so is the nested-tensor path of its ``nn.TransformerEncoder``
+    (``use_nested_tensor = False``); the regular path computes the same function. A model
+    compiled with ``torch.compile`` before the conversion recompiles on its next call (the
+    replaced modules fail the compiled graph's guards). A kernel installed later that reads a
+    converted layer's ``weight`` itself (a Hugging Face hub kernel from ``model.kernelize()``, a
+    hand-written fused block) is not detected: compare such a model's outputs in eval and train mode.
 
     Args:
         model: the model to convert (modified in place and returned).
@@ -198,10 +216,32 @@ def apply_lrm(
             continue
         replacements.append((name, module))
     for name, module in replacements:
+        layout = layouts.get(id(module))
+        if isinstance(layout, str):
+            raise GaugeError(
+                f"apply_lrm: {layout}; convert the rest with include=lambda name, m: name != {name!r} (or leave the "
+                "attention's projections plain)"
+            )
+    for name, module in replacements:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, LRMLinear.from_linear(module, layouts.get(id(module))))
+    _disable_fused_fast_paths(model)
     return model
+
+
+def _disable_fused_fast_paths(model: nn.Module) -> None:
+    """Switch off the fused encoder kernels that would read a converted ``weight`` directly."""
+    touched = set()
+    for layer in model.modules():
+        if isinstance(layer, nn.TransformerEncoderLayer) and any(
+            isinstance(getattr(layer, a, None), LRMLinear) for a in ("linear1", "linear2")
+        ):
+            layer.activation_relu_or_gelu = 0  # read only by the fast-path test; self.activation is unchanged
+            touched.add(id(layer))
+    for enc in model.modules():
+        if isinstance(enc, nn.TransformerEncoder) and any(id(m) in touched for m in enc.layers):
+            enc.use_nested_tensor = False
 
 
 def qk_multiplier_names(model: nn.Module, sites=None, *, which: str = "rows") -> set[str]:

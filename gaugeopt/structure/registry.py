@@ -3,9 +3,15 @@
 An adapter ``(root_model, qualified_name, module) -> AttentionSite`` is registered for an exact
 module class, never a name pattern over parameters. Classes from optional libraries are
 registered by import path (``"package.module.Class"``) so that gaugeopt never imports them.
-A module that looks like attention (by class name) and that no adapter claims makes
-:func:`find_attention` refuse the model: a silent partial result would leave that layer's gauge
-unfixed.
+A class that users copy into their own code (nanoGPT's ``CausalSelfAttention``) is recognised
+by its structure and the source of its ``forward`` instead. A module that looks like attention
+(by class name) and that no adapter claims makes :func:`find_attention` refuse the model: a
+silent partial result would leave that layer's gauge unfixed.
+
+Built-in adapters are *verified*: the test suite checks every gauge action on their classes.
+:func:`find_attention` marks their records ``verified=True``; a record from any other adapter
+(:func:`register_adapter`, :class:`gaugeopt.AttentionSpec`) must pass :func:`gaugeopt.certify`
+on the model before a gauge operation changes parameters through it.
 """
 
 from __future__ import annotations
@@ -19,12 +25,16 @@ from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["Adapter", "find_attention", "register_adapter", "register_named_adapter", "registered_adapters"]
 
-# An adapter: (root_model, qualified_name, module) -> AttentionSite, registered for an exact
-# module class (never a name pattern over parameters). Classes from optional libraries are
-# registered by import path ("package.module.Class") so that gaugeopt never imports them.
+# An adapter: (root_model, qualified_name, module) -> AttentionSite.
 Adapter = Callable[[nn.Module, str, nn.Module], AttentionSite]
 _ADAPTERS: dict[type, Adapter] = {}
 _NAMED_ADAPTERS: dict[str, Adapter] = {}
+# (predicate, adapter) for classes matched by structure rather than by class (copied code).
+_RECOGNISERS: list[tuple[Callable[[nn.Module], bool], Adapter]] = []
+# ids of the built-in adapters (their records are verified by the test suite).
+_VERIFIED: set[int] = set()
+# Import paths of classes that are named like attention but only wrap it (T5LayerSelfAttention).
+_WRAPPERS: set[str] = set()
 _BUILTINS_LOADED = False
 
 # Class-name fragments that mark a module as attention; a module whose class matches one of
@@ -38,7 +48,9 @@ def register_adapter(cls: type, adapter: Adapter) -> None:
     ``adapter(root, name, module)`` returns the :class:`AttentionSite` for ``module`` (a
     ``cls`` instance at qualified name ``name`` in ``root``) or raises :class:`GaugeError`
     naming a feature it does not handle. Matching is by exact class: a subclass must be
-    registered on its own, because it may change ``forward``.
+    registered on its own, because it may change ``forward``. :class:`gaugeopt.AttentionSpec`
+    writes the adapter for you (``spec.register(cls)``). Records from a registered adapter are
+    uncertified until :func:`gaugeopt.certify` passes on the model.
 
     Example:
         >>> import torch.nn as nn, gaugeopt
@@ -49,17 +61,39 @@ def register_adapter(cls: type, adapter: Adapter) -> None:
         ...         self.wq, self.wk, self.wv, self.wo = (nn.Linear(8, 8) for _ in range(4))
         >>> register_adapter(MyAttn, lambda root, name, m: site_from_linears(
         ...     m, name, q="wq", k="wk", v="wv", o="wo", num_heads=2))
-        >>> [s.h for s in gaugeopt.find_attention(nn.Sequential(MyAttn()))]
-        [2]
+        >>> [(s.h, s.verified) for s in gaugeopt.find_attention(nn.Sequential(MyAttn()))]
+        [(2, False)]
     """
     if not isinstance(cls, type):
-        raise GaugeError(f"register_adapter expects a class, got {cls!r}")
+        raise GaugeError(f"register_adapter expects a class, got {cls!r}; for an import path use register_named_adapter")
     _ADAPTERS[cls] = adapter
 
 
 def register_named_adapter(path: str, adapter: Adapter) -> None:
     """Register an adapter for the class at import path ``path`` without importing it."""
+    if not isinstance(path, str) or "." not in path:
+        raise GaugeError(f"register_named_adapter expects an import path 'package.module.Class', got {path!r}")
     _NAMED_ADAPTERS[path] = adapter
+
+
+def register_builtin(key: type | str, adapter: Adapter) -> None:
+    """Register a built-in adapter: its records are marked verified (the suite checks its class)."""
+    if isinstance(key, str):
+        register_named_adapter(key, adapter)
+    else:
+        register_adapter(key, adapter)
+    _VERIFIED.add(id(adapter))
+
+
+def register_builtin_recogniser(predicate: Callable[[nn.Module], bool], adapter: Adapter) -> None:
+    """A built-in adapter for modules matched by ``predicate`` (structure, not class)."""
+    _RECOGNISERS.append((predicate, adapter))
+    _VERIFIED.add(id(adapter))
+
+
+def register_wrapper(path: str) -> None:
+    """Mark the class at ``path`` as a wrapper around an attention module, not attention itself."""
+    _WRAPPERS.add(path)
 
 
 def _load_builtin_adapters() -> None:
@@ -75,16 +109,54 @@ def registered_adapters() -> dict[type | str, Adapter]:
     return {**_NAMED_ADAPTERS, **_ADAPTERS}
 
 
-def _adapter_for(cls: type, table: dict) -> Adapter | None:
+def is_verified(adapter: Adapter) -> bool:
+    """Whether ``adapter`` is a built-in whose records the test suite verifies."""
+    return id(adapter) in _VERIFIED
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _adapter_for(module: nn.Module, table: dict) -> Adapter | None:
+    cls = type(module)
     found = table.get(cls)
     if found is None:
-        found = table.get(f"{cls.__module__}.{cls.__qualname__}")
+        found = table.get(_class_path(cls))
+    if found is None:
+        found = next((a for pred, a in _RECOGNISERS if pred(module)), None)
     return found
 
 
 def _looks_like_attention(module: nn.Module) -> bool:
+    if _class_path(type(module)) in _WRAPPERS:
+        return False
     name = type(module).__name__.lower().replace("_", "")
     return any(hint in name for hint in _ATTENTION_HINTS)
+
+
+def _linear_children(module: nn.Module) -> list[str]:
+    out = []
+    for name, child in module.named_modules():
+        w = getattr(child, "weight", None)
+        if name and (isinstance(child, nn.Linear) or (type(child).__name__ == "Conv1D" and w is not None)):
+            out.append(f"{name} ({w.shape[-1]}→{w.shape[0]})" if isinstance(child, nn.Linear) else f"{name} (Conv1D)")
+    return out
+
+
+def unclaimed_hint(module: nn.Module) -> str:
+    """How to describe an unclaimed attention class: a runnable :class:`gaugeopt.AttentionSpec` example."""
+    cls = type(module).__name__
+    linears = _linear_children(module)
+    return (
+        f"Describe {cls} with gaugeopt.AttentionSpec, register it and certify it on your model, e.g.\n"
+        f"    spec = gaugeopt.AttentionSpec(q=\"q_proj\", k=\"k_proj\", v=\"v_proj\", o=\"o_proj\", num_heads=\"num_heads\")\n"
+        f"    spec.register({cls})        # or spec.register(\"{_class_path(type(module))}\")\n"
+        f"    gaugeopt.certify(model, example_batch)\n"
+        f"(its linear children: {', '.join(linears) if linears else 'none'}; a fused projection is "
+        "qkv=\"...\", fused=\"concat\" | \"grouped\" | \"per_head\"; RoPE: rope=gaugeopt.RopeSpec(\"split_half\", rotary_dim); "
+        "see docs/adapters.md)"
+    )
 
 
 def find_attention(
@@ -105,12 +177,14 @@ def find_attention(
             that are *not* attention and should be ignored.
 
     Returns:
-        The sites in module order, with ``layer_index`` set.
+        The sites in module order, with ``layer_index`` set and ``verified`` true for the
+        records of built-in adapters.
 
     Raises:
         GaugeError: no attention found (the message lists the classes searched for); an
             attention-like module that no adapter claims (a silent partial result would leave
-            that layer's gauge unfixed); or an adapter refusing a feature it cannot handle.
+            that layer's gauge unfixed; the message shows how to describe it with
+            :class:`gaugeopt.AttentionSpec`); or an adapter refusing a feature it cannot handle.
     """
     if not isinstance(model, nn.Module):
         raise GaugeError(f"find_attention: model must be a torch.nn.Module, got {type(model).__name__} ({model!r:.60})")
@@ -118,13 +192,15 @@ def find_attention(
     sites: list[AttentionSite] = []
     claimed: list[str] = []
     unclaimed: list[str] = []
+    first_unclaimed: nn.Module | None = None
     for name, module in model.named_modules():
         if any(name == c or name.startswith(c + ".") for c in claimed):
             continue
-        adapter = _adapter_for(type(module), table)
+        adapter = _adapter_for(module, table)
         if adapter is not None:
             site = adapter(model, name, module)
             site.layer_index = len(sites)
+            site.verified = is_verified(adapter)
             sites.append(site)
             claimed.append(name)
         elif name not in allow_unclaimed and not _is_container(module):
@@ -136,21 +212,25 @@ def find_attention(
                 )
             elif _looks_like_attention(module):
                 unclaimed.append(f"{name or '<root>'} ({type(module).__qualname__})")
+            else:
+                continue
+            first_unclaimed = first_unclaimed or module
     if unclaimed:
         raise GaugeError(
             "find_attention: these modules look like attention but no adapter understands them: "
             + ", ".join(unclaimed[:8])
             + (" ..." if len(unclaimed) > 8 else "")
-            + ". Register one with gaugeopt.register_adapter(cls, fn) (see site_from_linears), "
-            "or pass allow_unclaimed=[names] if they are not attention layers."
+            + ". " + unclaimed_hint(first_unclaimed)
+            + ". Or pass allow_unclaimed=[names] if they are not attention layers."
         )
     if not sites:
-        known = sorted(c if isinstance(c, str) else f"{c.__module__}.{c.__qualname__}" for c in table)
+        known = sorted(c if isinstance(c, str) else _class_path(c) for c in table)
         raise GaugeError(
             f"find_attention: no attention layer found in {type(model).__qualname__}. "
-            f"Searched for modules of these classes: {', '.join(known)}. "
-            "For another architecture register an adapter with gaugeopt.register_adapter(cls, fn); "
-            "gaugeopt.site_from_linears builds a site from separate Q/K/V/O linears."
+            f"Searched for modules of these classes: {', '.join(known)}, and nanoGPT's CausalSelfAttention. "
+            "For another architecture describe its attention class with gaugeopt.AttentionSpec(...).register(cls) "
+            "(or gaugeopt.register_adapter(cls, fn)) and certify it with gaugeopt.certify(model, example_batch); "
+            "see docs/adapters.md."
         )
     return sites
 

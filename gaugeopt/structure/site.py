@@ -68,7 +68,11 @@ class TensorRef:
 
     ``view(t)`` maps a tensor ``t`` shaped like the stored parameter to the canonical view:
     transpose (for ``in×out`` storage), then ``t[index]`` along dim 0, then ``.view(shape)``.
-    The result always aliases ``t`` (no copy), so in-place edits reach the parameter.
+    With ``groups`` set, dim 0 is first split into ``groups`` equal blocks and ``index`` selects
+    rows *inside every block* (``t.unflatten(0, (groups, -1))[:, index]``): the rows of one
+    projection in a fused layer that interleaves heads, e.g. ``[q_i, k_i, v_i]`` per head
+    (GPT-NeoX, Bloom). The result always aliases ``t`` (no copy), so in-place edits reach the
+    parameter.
 
     Attributes:
         owner: module that holds the parameter.
@@ -77,6 +81,7 @@ class TensorRef:
         shape: canonical view shape.
         transpose: the storage is ``in×out`` (HF ``Conv1D``).
         index: row selection in the (transposed) storage, e.g. the Q rows of a fused QKV.
+        groups: split the rows into this many equal blocks first; ``index`` then selects inside each.
     """
 
     owner: nn.Module
@@ -85,6 +90,7 @@ class TensorRef:
     shape: tuple[int, ...]
     transpose: bool = False
     index: int | slice | None = None
+    groups: int | None = None
 
     @property
     def param(self) -> torch.Tensor:
@@ -94,7 +100,11 @@ class TensorRef:
     def view(self, t: torch.Tensor) -> torch.Tensor:
         """Canonical view of ``t`` (same shape as the stored parameter), aliasing ``t``."""
         x = t.t() if self.transpose else t
-        if self.index is not None:
+        if self.groups is not None:
+            x = x.unflatten(0, (self.groups, -1))
+            if self.index is not None:
+                x = x[:, self.index]
+        elif self.index is not None:
             x = x[self.index]
         return x.view(self.shape)
 
@@ -185,6 +195,15 @@ class AttentionSite:
         layer_index: position of this site in ``find_attention``'s list.
         features: what the adapter saw (``"gqa"``, ``"fused_qkv"``, ``"rope_split_half"``, ...).
         qk_norm: the per-head Q/K normalisation, or ``None``.
+        float32_steps: what the module computes in float32 even in a float64 model (e.g. ``"q·kᵀ in
+            float32"``), which bounds how exactly :func:`gaugeopt.certify` can observe a gauge action
+            (``""``: nothing; the certificate then demands float64 exactness).
+        fixed_head_order: why the heads may not be permuted (``""``: they may): a term in the scores
+            that differs per head (ALiBi slopes, T5's relative position bias) ties each head to its
+            position, so the permutation symmetry is gone while the per-group ``GL`` gauges remain.
+        verified: set by :func:`gaugeopt.find_attention`: the record comes from a built-in adapter that
+            the test suite verifies for this class. Any other record must pass :func:`gaugeopt.certify`
+            before a gauge operation changes parameters through it.
     """
 
     name: str
@@ -203,6 +222,9 @@ class AttentionSite:
     layer_index: int = 0
     features: tuple[str, ...] = field(default_factory=tuple)
     qk_norm: QKNorm | None = None
+    float32_steps: str = ""
+    fixed_head_order: str = ""
+    verified: bool = False
 
     def __post_init__(self) -> None:
         if self.h <= 0 or self.h_kv <= 0 or self.h % self.h_kv:

@@ -83,6 +83,7 @@ from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.registry import find_attention
 
 __all__ = [
@@ -487,6 +488,7 @@ def canonicalize(
     if fold_multipliers:
         fold_lrm_multipliers(target)
     sites = find_attention(target)
+    require_certified(sites, "canonicalize")
     if rank_rtol is None:
         dtype = sites[0].q.weight.param.dtype
         rank_rtol = min(1e3 * torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps, 1e-4)

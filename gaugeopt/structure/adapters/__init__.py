@@ -1,28 +1,40 @@
 """Built-in adapters: the attention classes :func:`gaugeopt.find_attention` understands.
 
-=====================================  =========================================  ==================
-class                                  layout                                     position encoding
-=====================================  =========================================  ==================
-``gaugeopt.models.gpt.CausalSelfAttention``  fused ``c_attn`` ``[Q|K|V]``, GQA       none / interleaved / split-half, partial
-``transformers`` ``GPT2Attention``     ``Conv1D`` (in×out), fused ``c_attn``      none (learned absolute)
-``transformers`` ``LlamaAttention``    separate ``q/k/v/o_proj``, GQA, opt. bias  split-half, full
-``transformers`` ``MistralAttention``  as Llama, no bias                          split-half, full
-``transformers`` ``Qwen2Attention``    as Llama, Q/K/V biases                     split-half, full
-``torch.nn.MultiheadAttention``        fused ``in_proj_weight`` or separate       none
-=====================================  =========================================  ==================
+===========================================  ===========================================================
+module                                       classes
+===========================================  ===========================================================
+:mod:`~gaugeopt.structure.adapters.gpt`      ``gaugeopt.models.gpt.CausalSelfAttention``
+:mod:`~gaugeopt.structure.adapters.torch_mha`  ``torch.nn.MultiheadAttention``
+:mod:`~gaugeopt.structure.adapters.nanogpt`  nanoGPT's ``CausalSelfAttention`` (recognised by structure
+                                             and the source of its forward, wherever it was copied)
+:mod:`~gaugeopt.structure.adapters.litgpt`   ``litgpt.model.CausalSelfAttention``
+:mod:`~gaugeopt.structure.adapters.timm`     ``timm.layers.attention.Attention``
+:mod:`~gaugeopt.structure.adapters.torchtitan`  ``torchtitan.models.common.attention.GQAttention``
+:mod:`~gaugeopt.structure.adapters.hf`       24 Hugging Face ``transformers`` attention classes (3 of them
+                                             Q/K-normalised: recognised and refused)
+:mod:`~gaugeopt.structure.adapters.qk_norm`  the Q/K-normalised families: recognised and refused
+:mod:`~gaugeopt.structure.adapters.x_transformers`  x-transformers' ``Attention``: refused with reasons
+===========================================  ===========================================================
 
-Hugging Face classes are matched by their import path, so gaugeopt never imports
-``transformers`` itself; the adapters run only for models that already did.
+Classes from optional libraries are matched by their import path, so gaugeopt never imports
+them; the adapters run only for models that already did. Every adapter here is *verified*: the
+test suite checks every gauge action on its classes in float64 (``tests/test_families.py``), so
+its records need no certificate.
 """
 
 from __future__ import annotations
 
-from gaugeopt.structure.registry import register_adapter, register_named_adapter
+from gaugeopt.structure.registry import register_builtin, register_builtin_recogniser, register_wrapper
 from gaugeopt.structure.adapters.gpt import adapt_gpt
-from gaugeopt.structure.adapters.hf import adapt_hf_gpt2, adapt_hf_llama_like
+from gaugeopt.structure.adapters.hf import HF_ADAPTERS, HF_WRAPPERS, adapt_hf_gpt2
+from gaugeopt.structure.adapters.litgpt import LITGPT_ATTENTION, LITGPT_SPEC
+from gaugeopt.structure.adapters.nanogpt import adapt_nanogpt, looks_like_nanogpt
+from gaugeopt.structure.adapters.timm import TIMM_ATTENTION, TIMM_SPEC
 from gaugeopt.structure.adapters.torch_mha import adapt_mha
+from gaugeopt.structure.adapters.torchtitan import TORCHTITAN_ATTENTION, adapt_torchtitan
+from gaugeopt.structure.adapters.x_transformers import X_TRANSFORMERS_ATTENTION, refuse_x_transformers
 
-__all__ = ["adapt_gpt", "adapt_hf_gpt2", "adapt_hf_llama_like", "adapt_mha"]
+__all__ = ["adapt_gpt", "adapt_hf_gpt2", "adapt_mha", "adapt_nanogpt", "adapt_torchtitan"]
 
 
 def _register() -> None:
@@ -30,11 +42,17 @@ def _register() -> None:
 
     from gaugeopt.models.gpt import CausalSelfAttention
 
-    register_adapter(CausalSelfAttention, adapt_gpt)
-    register_adapter(nn.MultiheadAttention, adapt_mha)
-    register_named_adapter("transformers.models.gpt2.modeling_gpt2.GPT2Attention", adapt_hf_gpt2)
-    for family, cls in (("llama", "LlamaAttention"), ("mistral", "MistralAttention"), ("qwen2", "Qwen2Attention")):
-        register_named_adapter(f"transformers.models.{family}.modeling_{family}.{cls}", adapt_hf_llama_like)
+    register_builtin(CausalSelfAttention, adapt_gpt)
+    register_builtin(nn.MultiheadAttention, adapt_mha)
+    register_builtin_recogniser(looks_like_nanogpt, adapt_nanogpt)
+    register_builtin(LITGPT_ATTENTION, LITGPT_SPEC.adapter())
+    register_builtin(TIMM_ATTENTION, TIMM_SPEC.adapter())
+    register_builtin(TORCHTITAN_ATTENTION, adapt_torchtitan)
+    register_builtin(X_TRANSFORMERS_ATTENTION, refuse_x_transformers)
+    for path, adapter in HF_ADAPTERS.items():
+        register_builtin(path, adapter)
+    for path in HF_WRAPPERS:
+        register_wrapper(path)
 
 
 _register()

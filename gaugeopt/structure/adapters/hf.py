@@ -1,51 +1,97 @@
 """Adapters for Hugging Face ``transformers`` attention classes (never imports transformers).
 
-* ``GPT2Attention``: ``Conv1D`` weights stored ``in×out``, fused ``c_attn = [Q|K|V]``, learned
-  absolute positions. Cross-attention layers (``q_attn``) are refused.
-* ``LlamaAttention``, ``MistralAttention``, ``Qwen2Attention``: separate ``q/k/v/o_proj``, GQA,
-  RoPE with ``rotate_half`` (split-half planes ``(m, m + d_k/2)``), optional biases. The
-  rotary width is read from the model's rotary embedding (``2·len(inv_freq)``); a partial
-  rotary width is refused because these classes' ``apply_rotary_pos_emb`` rotates whole heads.
+Every class is matched by its import path and written as a :class:`gaugeopt.AttentionSpec`:
+
+=====================  ==========================================  ===========================================
+class                  layout                                      position encoding, other
+=====================  ==========================================  ===========================================
+``GPT2Attention``      ``Conv1D`` (in×out), fused ``[Q|K|V]``      learned; cross-attention (``q_attn``) refused
+``LlamaAttention``,    separate ``q/k/v/o_proj``, GQA, biases      RoPE split-half, whole head (partial refused)
+``MistralAttention``,
+``Qwen2Attention``,
+``MixtralAttention``,
+``GemmaAttention``,
+``Gemma2Attention``,
+``OlmoAttention``
+``PhiAttention``       ``q/k/v_proj``, O = ``dense``               RoPE split-half on ``rotary_ndims``
+``Phi3Attention``      fused ``qkv_proj`` ``[Q|K|V]``, GQA         RoPE split-half, partial
+``StableLmAttention``  separate, GQA                               RoPE split-half on ``rotary_ndims``
+``FalconAttention``    ``FalconLinear``; ``[Q|K|V]`` (multi-query),  RoPE split-half or ALiBi
+                       ``[q_i,k_i,v_i]`` (old MHA), grouped (new)
+``GPTNeoXAttention``   fused ``[q_i, k_i, v_i]``, O = ``dense``    RoPE split-half on ``rotary_ndims``
+``GPTJAttention``      separate, no bias                           RoPE interleaved on ``rotary_dim``
+``OPTAttention``       separate, biases                            learned
+``BloomAttention``     fused ``[q_i, k_i, v_i]``, O = ``dense``    ALiBi (additive); adds the residual itself
+``GPTBigCodeAttention`` fused ``[Q|K|V]`` (MQA) or ``[q_i,k_i,v_i]``  learned; cross-attention refused
+``BertAttention``      ``self.query/key/value``, ``output.dense``  learned; the site includes the output LayerNorm
+``ViTAttention``       separate ``q/k/v/o_proj``                   learned
+``T5Attention``        ``q, k, v, o``, ``d_kv`` free               relative bias (additive); self and cross
+``BartAttention``      ``q/k/v/out_proj``                          learned; self and cross
+=====================  ==========================================  ===========================================
+
+Position biases (ALiBi, T5's relative bias), sliding windows, logit soft-capping
+(``attn_logit_softcapping``) and score scales (``query_pre_attn_scalar``) act on the scores after
+the Q/K gauge has cancelled: they keep the gauge. Cross-attention reads K and V from another
+stream; the Q/K and V/O gauges still hold.
+
+Hugging Face picks the attention kernel at every forward from ``config._attn_implementation``;
+``eager`` and ``sdpa`` are verified, anything else (flash, flex, a registered custom function) is
+refused until it is. OLMo's ``clip_qkv`` clamps the projections and breaks the gauge: refused while
+set. The Q/K-normalised families (Qwen3, OLMo 2, Gemma 3, Phi and StableLM with ``qk_layernorm``)
+are recognised, their :class:`~gaugeopt.structure.site.QKNorm` recorded, and refused
+(:mod:`gaugeopt.structure.adapters.qk_norm`).
+
+Example:
+    >>> import transformers, gaugeopt
+    >>> cfg = transformers.GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    ...                                  num_attention_heads=4, rotary_pct=0.5)
+    >>> s = gaugeopt.find_attention(transformers.GPTNeoXForCausalLM(cfg))[0]
+    >>> (s.kind, s.h, s.d_k, s.rope.kind, s.rope.rotary_dim, s.q.weight.groups, s.verified)
+    ('hf_gpt_neox', 4, 8, 'split_half', 4, 4, True)
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.structure.adapters import qk_norm as qkn
+from gaugeopt.structure.adapters.common import refuse, require_stock_forward
 from gaugeopt.structure.rope import RopeSpec
 from gaugeopt.structure.site import AttentionSite
-from gaugeopt.structure.linears import fused_rows, projection_refs
-from gaugeopt.structure.adapters.common import refuse, require_stock_forward
+from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
+
+__all__ = ["HF_ADAPTERS", "HF_SPECS", "HF_WRAPPERS", "VERIFIED_IMPLEMENTATIONS", "adapt_hf_gpt2", "implementation_refusal"]
+
+# Attention kernels measured exact (float64, every family): the others are refused until they are.
+VERIFIED_IMPLEMENTATIONS = (None, "eager", "sdpa")
 
 
-def _q(prefix: str, attr: str) -> str:
-    return f"{prefix}.{attr}" if prefix else attr
+def _path(family: str, cls: str, module: str | None = None) -> str:
+    return f"transformers.models.{family}.modeling_{module or family}.{cls}"
 
 
-def adapt_hf_gpt2(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
-    require_stock_forward(name, m)
-    if getattr(m, "is_cross_attention", False) or hasattr(m, "q_attn"):
-        raise refuse(name, "GPT-2 cross-attention (q_attn reads another sequence)", "only self-attention layers are supported")
-    h, d, E = m.num_heads, m.head_dim, m.embed_dim
-    q_rows, k_rows, v_rows = fused_rows(m.c_attn, (E, E, E))
-    c_attn, c_proj = _q(name, "c_attn"), _q(name, "c_proj")
-    q = projection_refs(m.c_attn, c_attn, rows=q_rows, split=0, canon="in", heads=h, width=d, d_model=E)
-    k = projection_refs(m.c_attn, c_attn, rows=k_rows, split=1, canon="in", heads=h, width=d, d_model=E)
-    v = projection_refs(m.c_attn, c_attn, rows=v_rows, split=2, canon="in", heads=h, width=d, d_model=E)
-    o = projection_refs(m.c_proj, c_proj, rows=None, split=0, canon="out", heads=h, width=d, d_model=E)
-    return AttentionSite(
-        name=name, module=m, h=h, h_kv=h, d_k=d, d_v=d, d_model=E,
-        q=q, k=k, v=v, o=o, kind="hf_gpt2", features=("fused_qkv", "conv1d_layout"),
+def implementation_refusal(module: nn.Module, config_attr: str = "config") -> str | None:
+    """Refuse an attention kernel that was not verified (HF reads it at every forward)."""
+    cfg = getattr(module, config_attr, None)
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl in VERIFIED_IMPLEMENTATIONS:
+        return None
+    return (
+        f"config._attn_implementation={impl!r} selects an attention kernel gaugeopt has not verified (verified: "
+        "'eager', 'sdpa'); load the model with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))"
     )
 
 
-def _rotary_dim(root: nn.Module, name: str, family: str, head_dim: int) -> int:
-    """Rotary width from the model's ``<Family>RotaryEmbedding`` (all layers share it)."""
+def _rotary_dims(root: nn.Module, name: str, family: str) -> set[int]:
     dims = {
-        2 * mod.inv_freq.numel()
+        2 * buf.numel()
         for mod in root.modules()
-        if type(mod).__name__.endswith("RotaryEmbedding") and hasattr(mod, "inv_freq")
+        if type(mod).__name__.endswith("RotaryEmbedding")
+        for bname, buf in mod.named_buffers(recurse=False)
+        if bname.endswith("inv_freq")  # inv_freq, or one per layer type (Gemma 3: sliding_attention_inv_freq)
     }
     if not dims:
         raise GaugeError(
@@ -54,31 +100,208 @@ def _rotary_dim(root: nn.Module, name: str, family: str, head_dim: int) -> int:
         )
     if len(dims) > 1:
         raise refuse(name, f"several rotary embeddings of different widths {sorted(dims)}")
-    (dim,) = dims
-    if dim != head_dim:
-        raise refuse(name, f"partial rotary (rotary width {dim} < head_dim {head_dim})")
-    return dim
+    return dims
 
 
-def adapt_hf_llama_like(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
-    require_stock_forward(name, m)
-    family = type(m).__name__.replace("Attention", "")
-    for norm in ("q_norm", "k_norm"):
-        if hasattr(m, norm):
-            raise refuse(name, f"per-head Q/K normalisation ({norm})")
-    cfg = m.config
-    h, h_kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, m.head_dim
-    E = cfg.hidden_size
-    projs = {}
-    for role, attr, heads in (("q", "q_proj", h), ("k", "k_proj", h_kv), ("v", "v_proj", h_kv)):
-        mod = getattr(m, attr)
-        fused_rows(mod, (heads * d,))  # validates the width and the module type
-        projs[role] = projection_refs(mod, _q(name, attr), rows=None, split=0, canon="in", heads=heads, width=d, d_model=E)
-    fused_rows(m.o_proj, (E,))
-    projs["o"] = projection_refs(m.o_proj, _q(name, "o_proj"), rows=None, split=0, canon="out", heads=h, width=d, d_model=E)
-    rope = RopeSpec("split_half", _rotary_dim(root, name, family, d))
-    features = (("gqa",) if h_kv != h else ()) + ("rope_split_half",)
-    return AttentionSite(
-        name=name, module=m, h=h, h_kv=h_kv, d_k=d, d_v=d, d_model=E, rope=rope,
-        kind=f"hf_{family.lower()}", features=features, **projs,
+def rotary_from_root(root: nn.Module, name: str, family: str, head_dim: int, *, partial: bool) -> RopeSpec:
+    """Split-half RoPE whose width is read from the model's ``<Family>RotaryEmbedding``."""
+    (dim,) = _rotary_dims(root, name, family)
+    if dim > head_dim or (dim != head_dim and not partial):
+        raise refuse(name, f"partial rotary (rotary width {dim} < head_dim {head_dim})",
+                     f"{family}'s apply_rotary_pos_emb rotates whole heads")
+    return RopeSpec("split_half", dim)
+
+
+def _with_root_rope(spec: AttentionSpec, *, partial: bool):
+    """An adapter that reads the rotary width from the model's rotary embedding, then builds ``spec``."""
+    def adapt(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
+        require_stock_forward(name, m)
+        family = type(m).__name__.replace("Attention", "")
+        head_dim = m.head_dim
+        return dataclasses.replace(spec, rope=rotary_from_root(root, name, family, head_dim, partial=partial)).build(m, name, root)
+
+    adapt.spec = spec  # type: ignore[attr-defined]
+    return adapt
+
+
+# ---------------------------------------------------------------------- GPT-2
+def _gpt2_refusal(m: nn.Module) -> str | None:
+    if getattr(m, "is_cross_attention", False) or hasattr(m, "q_attn"):
+        return ("GPT-2 cross-attention (q_attn reads another sequence, c_attn holds only [K|V]) is not handled; "
+                "only self-attention layers are supported")
+    return implementation_refusal(m)
+
+
+GPT2_SPEC = AttentionSpec(
+    qkv="c_attn", o="c_proj", num_heads="num_heads", head_dim="head_dim", kind="hf_gpt2", refuse=_gpt2_refusal,
+    float32_steps=lambda m: "attention scores in float32 (reorder_and_upcast_attn)"
+    if m.reorder_and_upcast_attn and m.config._attn_implementation in (None, "eager") else "",
+)
+
+
+def adapt_hf_gpt2(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
+    site = GPT2_SPEC.build(m, name, root)
+    site.features = site.features + ("conv1d_layout",)
+    return site
+
+
+# ---------------------------------------------------------------------- Llama-like
+def _llama_like(kind: str, refuse_fn=implementation_refusal, qk=None, on_qk=None) -> AttentionSpec:
+    return AttentionSpec(
+        q="q_proj", k="k_proj", v="v_proj", o="o_proj", num_heads="config.num_attention_heads",
+        num_kv_heads="config.num_key_value_heads", head_dim="head_dim", kind=kind, refuse=refuse_fn,
+        qk_norm=qk, on_qk_norm=on_qk,
     )
+
+
+def _olmo_refusal(m: nn.Module) -> str | None:
+    clip = getattr(m.config, "clip_qkv", None)
+    if clip is not None:
+        return (
+            f"clip_qkv={clip} clamps the q, k and v projection outputs to [-{clip}, {clip}] before the heads are split: "
+            "a clamp does not commute with GL(d_k) or GL(d_v) (only sign flips and signed permutations of channels "
+            "survive), so the attention gauge group changes; build the model with clip_qkv=None"
+        )
+    return implementation_refusal(m)
+
+
+# ---------------------------------------------------------------------- Phi, Phi3, StableLM, NeoX, GPT-J
+def _partial(kind: str):
+    return lambda m: RopeSpec(kind, m.rotary_ndims)
+
+
+def _gptj_refusal(m: nn.Module) -> str | None:
+    if m.rotary_dim is None:
+        return ("rotary_dim=None: GPT-J then sizes its sin/cos table by n_embd, not head_dim, which gaugeopt has not "
+                "verified; set rotary_dim in the config")
+    return implementation_refusal(m)
+
+
+def _gptj_float32(m: nn.Module) -> str:
+    return "q·kᵀ in float32 (GPT-J's eager attention)" if m.config._attn_implementation in (None, "eager") else ""
+
+
+ALIBI = "ALiBi adds a different fixed slope to each head's scores"
+T5_BIAS = "T5's relative position bias, computed in each stack's first layer and shared by all, differs per head"
+
+
+# ---------------------------------------------------------------------- Falcon
+FALCON_LINEAR = _path("falcon", "FalconLinear")
+
+
+def _falcon_kv(m: nn.Module) -> int:
+    if m.new_decoder_architecture:
+        return m.num_kv_heads
+    return 1 if m.multi_query else m.num_heads
+
+
+def _falcon_spec(layout: str) -> AttentionSpec:
+    return AttentionSpec(
+        qkv="query_key_value", fused=layout, o="dense", num_heads="num_heads", num_kv_heads=_falcon_kv,
+        head_dim="head_dim", linear_types=(FALCON_LINEAR,), kind="hf_falcon", refuse=implementation_refusal,
+        fixed_head_order=lambda m: ALIBI if m.config.alibi else "",
+    )
+
+
+def adapt_hf_falcon(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
+    layout = "grouped" if m.new_decoder_architecture else ("concat" if m.multi_query else "per_head")
+    spec = _falcon_spec(layout)
+    if m.config.alibi:
+        return spec.build(m, name, root)
+    require_stock_forward(name, m)
+    rope = rotary_from_root(root, name, "Falcon", m.head_dim, partial=False)
+    return dataclasses.replace(spec, rope=rope).build(m, name, root)
+
+
+# ---------------------------------------------------------------------- GPTBigCode, BERT
+def _bigcode_refusal(m: nn.Module) -> str | None:
+    if m.is_cross_attention:
+        return ("GPTBigCode cross-attention splits c_attn(encoder states) into (head_dim, head_dim) although c_attn has "
+                "2·embed_dim outputs; gaugeopt does not vouch for it")
+    return implementation_refusal(m)
+
+
+def adapt_hf_bigcode(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
+    spec = AttentionSpec(qkv="c_attn", fused="concat" if m.multi_query else "per_head", o="c_proj", num_heads="num_heads",
+                         num_kv_heads="kv_heads", head_dim="head_dim", kind="hf_gpt_bigcode", refuse=_bigcode_refusal)
+    return spec.build(m, name, root)
+
+
+def _bert_refusal(m: nn.Module) -> str | None:
+    for part in ("self", "output"):
+        require_stock_forward(f"{type(m).__qualname__}.{part}", getattr(m, part))
+    return implementation_refusal(m.self)
+
+
+# ---------------------------------------------------------------------- the table
+HF_SPECS: dict[str, AttentionSpec] = {
+    _path("llama", "LlamaAttention"): _llama_like("hf_llama"),
+    _path("mistral", "MistralAttention"): _llama_like("hf_mistral"),
+    _path("qwen2", "Qwen2Attention"): _llama_like("hf_qwen2"),
+    _path("mixtral", "MixtralAttention"): _llama_like("hf_mixtral"),
+    _path("gemma", "GemmaAttention"): _llama_like("hf_gemma"),
+    _path("gemma2", "Gemma2Attention"): _llama_like("hf_gemma2"),
+    _path("olmo", "OlmoAttention"): _llama_like("hf_olmo", _olmo_refusal),
+    # Q/K-normalised: recognised, recorded, refused (gaugeopt.structure.adapters.qk_norm)
+    _path("qwen3", "Qwen3Attention"): _llama_like(
+        "hf_qwen3", qk=QKNormSpec("rms", "q_norm", "k_norm", eps="q_norm.variance_epsilon"), on_qk=qkn.hf_qwen3),
+    _path("olmo2", "Olmo2Attention"): _llama_like(
+        "hf_olmo2", qk=QKNormSpec("rms", "q_norm", "k_norm", eps="q_norm.variance_epsilon", scope="full"), on_qk=qkn.hf_olmo2),
+    _path("gemma3", "Gemma3Attention"): _llama_like(
+        "hf_gemma3", qk=QKNormSpec("rms", "q_norm", "k_norm", eps="q_norm.eps", gain_offset=1.0), on_qk=qkn.hf_gemma3),
+    _path("phi", "PhiAttention"): AttentionSpec(
+        q="q_proj", k="k_proj", v="v_proj", o="dense", num_heads="config.num_attention_heads",
+        num_kv_heads="config.num_key_value_heads", head_dim="head_dim", rope=_partial("split_half"), kind="hf_phi",
+        refuse=implementation_refusal, on_qk_norm=qkn.hf_phi,
+        qk_norm=lambda m: QKNormSpec("layer", "q_layernorm", "k_layernorm", eps="q_layernorm.eps") if m.qk_layernorm else None),
+    _path("stablelm", "StableLmAttention"): AttentionSpec(
+        q="q_proj", k="k_proj", v="v_proj", o="o_proj", num_heads="num_heads", num_kv_heads="num_key_value_heads",
+        head_dim="head_dim", rope=_partial("split_half"), kind="hf_stablelm", refuse=implementation_refusal,
+        on_qk_norm=qkn.hf_stablelm,
+        qk_norm=lambda m: QKNormSpec("layer", None, None, eps="q_layernorm.norms.0.eps") if m.qk_layernorm else None),
+    _path("gpt_neox", "GPTNeoXAttention"): AttentionSpec(
+        qkv="query_key_value", fused="per_head", o="dense", num_heads="config.num_attention_heads", head_dim="head_size",
+        rope=_partial("split_half"), kind="hf_gpt_neox", refuse=implementation_refusal),
+    _path("gptj", "GPTJAttention"): AttentionSpec(
+        q="q_proj", k="k_proj", v="v_proj", o="out_proj", num_heads="num_attention_heads", head_dim="head_dim",
+        rope=lambda m: RopeSpec("interleaved", m.rotary_dim), kind="hf_gptj", refuse=_gptj_refusal,
+        float32_steps=_gptj_float32),
+    _path("opt", "OPTAttention"): AttentionSpec(
+        q="q_proj", k="k_proj", v="v_proj", o="out_proj", num_heads="num_heads", head_dim="head_dim", kind="hf_opt",
+        refuse=implementation_refusal),
+    _path("bloom", "BloomAttention"): AttentionSpec(
+        qkv="query_key_value", fused="per_head", o="dense", num_heads="num_heads", head_dim="head_dim", kind="hf_bloom",
+        fixed_head_order=ALIBI),
+    _path("bert", "BertAttention"): AttentionSpec(
+        q="self.query", k="self.key", v="self.value", o="output.dense", num_heads="self.num_attention_heads",
+        head_dim="self.attention_head_size", kind="hf_bert", refuse=_bert_refusal),
+    _path("vit", "ViTAttention"): AttentionSpec(
+        q="q_proj", k="k_proj", v="v_proj", o="o_proj", num_heads="num_attention_heads", head_dim="head_dim",
+        kind="hf_vit", refuse=implementation_refusal),
+    _path("t5", "T5Attention"): AttentionSpec(
+        q="q", k="k", v="v", o="o", num_heads="n_heads", head_dim="key_value_proj_dim", kind="hf_t5",
+        refuse=implementation_refusal, fixed_head_order=T5_BIAS),
+    _path("bart", "BartAttention"): AttentionSpec(
+        q="q_proj", k="k_proj", v="v_proj", o="out_proj", num_heads="num_heads", head_dim="head_dim", kind="hf_bart",
+        refuse=implementation_refusal),
+}
+
+# Families whose rotary width is read from the model's rotary embedding (whole head unless partial).
+_ROOT_ROPE = {
+    "llama": False, "mistral": False, "qwen2": False, "mixtral": False, "gemma": False, "gemma2": False,
+    "olmo": False, "qwen3": False, "olmo2": False, "gemma3": False,
+}
+
+HF_ADAPTERS = {}
+for _key, _spec in HF_SPECS.items():
+    _family = _key.split(".")[2]
+    HF_ADAPTERS[_key] = _with_root_rope(_spec, partial=_ROOT_ROPE[_family]) if _family in _ROOT_ROPE else _spec.adapter()
+HF_ADAPTERS[_path("gpt2", "GPT2Attention")] = adapt_hf_gpt2
+HF_ADAPTERS[_path("phi3", "Phi3Attention")] = _with_root_rope(AttentionSpec(
+    qkv="qkv_proj", o="o_proj", num_heads="config.num_attention_heads", num_kv_heads="num_key_value_heads",
+    head_dim="head_dim", kind="hf_phi3", refuse=implementation_refusal), partial=True)
+HF_ADAPTERS[_path("falcon", "FalconAttention")] = adapt_hf_falcon
+HF_ADAPTERS[_path("gpt_bigcode", "GPTBigCodeAttention")] = adapt_hf_bigcode
+
+# Modules named like attention that only wrap one (their child is claimed).
+HF_WRAPPERS = (_path("t5", "T5LayerSelfAttention"), _path("t5", "T5LayerCrossAttention"))

@@ -1,0 +1,472 @@
+"""The certificate: prove numerically that each attention record matches its module's computation.
+
+An adapter — a built-in one or yours — *claims* where a layer's Q, K, V and O live, how many
+heads it has and how RoPE pairs its coordinates. :func:`certify` checks the claim on your model:
+
+1. run the model once on your example input, and record the real call of every attention
+   module (forward pre-hooks with keyword arguments: hidden states, masks, position
+   embeddings, encoder states; key/value caches are dropped);
+2. per layer, alone: copy the module, cast it and the recorded floating arguments to float64,
+   give the copy generic random parameters (:func:`~gaugeopt.structure.invariance.randomize_parameters`:
+   a freshly initialised model's near-uniform attention would hide a wrong Q/K record, and a
+   record that is right is right for every value of the weights) and compute its output ``y``;
+3. for every sector the record claims — ``qk`` (``GL(d_k)`` per KV group, in the RoPE
+   commutant), ``vo`` (``GL(d_v)``), ``perm`` (head permutations), and with learnable
+   multipliers ``lrm_qk``, ``lrm_vo``, ``lrm_internal`` — apply a random valid element to a
+   fresh copy and require ``‖y' − y‖ / ‖y‖ ≤ 1e-10``;
+4. per sector, apply a *negative control* (an invalid element: a general ``GL(d_k)`` under RoPE
+   or an asymmetric Q/K pair, a mismatched V/O pair, query heads permuted alone, a one-sided
+   multiplier scale) and require a change ``≥ 1e-3``, so that the check has power.
+
+A layer whose module computes part of the attention in float32 even in float64 (recorded in
+:attr:`~gaugeopt.AttentionSite.float32_steps`, e.g. torchtitan's RoPE, GPT-J's eager scores)
+gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries and keys (``qk``,
+``lrm_qk``); the controls still need ``1e-3``. One layer is copied at a
+time, so the cost is one float64 attention layer, whatever the model's size.
+
+A wrong record fails: a wrong head count or GQA map, a forgotten partial rotary or a missing
+RoPE (the ``qk`` element leaves the true commutant), a Q/K-normalised module registered as plain
+attention, a fused layout read in the wrong row order. The error names the layer, the sector
+and the measured change. Passing records are stamped on their modules
+(:mod:`gaugeopt.structure.certified`), which lets the gauge operations use them.
+
+Example:
+    >>> import torch, gaugeopt
+    >>> from gaugeopt.models import GPT, GPTConfig
+    >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, rope="split_half"))
+    >>> report = gaugeopt.certify(model, torch.randint(0, 64, (2, 16)))
+    >>> [sorted(layer.sectors) for layer in report.layers][0]
+    ['perm', 'qk', 'vo']
+    >>> report.worst_valid < 1e-10 < 1e-3 < report.weakest_control
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.errors import GaugeError
+from gaugeopt.structure.actions import (
+    _log_uniform,
+    apply_invalid,
+    apply_valid,
+    permute_heads,
+    random_lrm_internal,
+    relative_change,
+)
+from gaugeopt.structure.certified import stamp
+from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure.site import AttentionSite, Projection, QKNorm, TensorRef
+
+__all__ = [
+    "VALID_TOL", "FLOAT32_TOL", "CONTROL_MIN", "SectorCheck", "LayerCertificate", "CertificateReport",
+    "CallRecorder", "certify", "certify_calls", "claimed_sectors",
+]
+
+VALID_TOL = 1e-10
+FLOAT32_TOL = 1e-6
+CONTROL_MIN = 1e-3
+# The sectors that rescale or rotate queries and keys: the ones a float32 step in q·kᵀ or RoPE can see.
+_QK_SECTORS = ("qk", "lrm_qk")
+# How closely a float64 rerun must reproduce the module's output in the model's own forward, by dtype.
+_RERUN_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+@dataclass
+class SectorCheck:
+    """One sector of one layer: the largest relative change under valid elements, the change under
+    the negative control, and the tolerance applied."""
+
+    sector: str
+    valid: float
+    control: float
+    control_kind: str
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.valid <= self.tolerance and self.control >= CONTROL_MIN
+
+
+@dataclass
+class LayerCertificate:
+    """The checks of one attention layer (:attr:`sectors` by name)."""
+
+    name: str
+    kind: str
+    sectors: dict[str, SectorCheck] = field(default_factory=dict)
+    float32_steps: str = ""
+    rerun_change: float | None = None
+
+    @property
+    def worst_valid(self) -> float:
+        return max((c.valid for c in self.sectors.values()), default=0.0)
+
+    @property
+    def weakest_control(self) -> float:
+        return min((c.control for c in self.sectors.values()), default=float("inf"))
+
+
+@dataclass
+class CertificateReport:
+    """What :func:`certify` measured, per layer; ``str(report)`` is a table."""
+
+    layers: list[LayerCertificate] = field(default_factory=list)
+
+    @property
+    def worst_valid(self) -> float:
+        """Largest relative change of any layer's output under a valid element."""
+        return max((layer.worst_valid for layer in self.layers), default=0.0)
+
+    @property
+    def weakest_control(self) -> float:
+        """Smallest relative change under a negative control (must be ≥ 1e-3)."""
+        return min((layer.weakest_control for layer in self.layers), default=float("inf"))
+
+    def as_dict(self) -> dict[str, float]:
+        out = {"certificate/worst_valid": self.worst_valid, "certificate/weakest_control": self.weakest_control}
+        return out
+
+    def __str__(self) -> str:
+        rows = [f"{'layer':<40} {'kind':<14} sector        valid     control ({'kind'})"]
+        for layer in self.layers:
+            for c in layer.sectors.values():
+                rows.append(f"{layer.name:<40} {layer.kind:<14} {c.sector:<12} {c.valid:9.1e} {c.control:9.1e} ({c.control_kind})")
+        rows.append(f"worst valid change {self.worst_valid:.1e}, weakest control {self.weakest_control:.1e}")
+        return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------- capture
+@dataclass
+class Call:
+    """One recorded call of an attention module: its arguments (snapshots) and output."""
+
+    args: tuple
+    kwargs: dict
+    output: torch.Tensor | None
+    training: bool
+
+
+def _is_cache(obj: Any) -> bool:
+    return type(obj).__name__.endswith("Cache")
+
+
+def _snapshot(obj: Any, memo: dict) -> Any:
+    """Detached copies of the tensors in ``obj`` (each tensor once, shared across calls), key/value
+    caches replaced by ``None`` (a rerun must not read or grow them), anything else by reference."""
+    if isinstance(obj, torch.Tensor):
+        got = memo.get(id(obj))
+        if got is None:  # keep the original alive with its copy: a freed tensor's id may be reused
+            got = memo[id(obj)] = (obj, obj.detach().clone())
+        return got[1]
+    if _is_cache(obj):
+        return None
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_snapshot(x, memo) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_snapshot(x, memo) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _snapshot(v, memo) for k, v in obj.items()}
+    return obj
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        for x in out:
+            t = _first_tensor(x)
+            if t is not None:
+                return t
+    if isinstance(out, Mapping):
+        for x in out.values():
+            t = _first_tensor(x)
+            if t is not None:
+                return t
+    return None
+
+
+class CallRecorder:
+    """Records the first call of each site's module (a context manager, or :meth:`close`).
+
+    Example:
+        >>> import torch, gaugeopt
+        >>> from gaugeopt.models import GPT, GPTConfig
+        >>> from gaugeopt.structure.certificate import CallRecorder
+        >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8))
+        >>> sites = gaugeopt.find_attention(model)
+        >>> with CallRecorder(sites) as rec:
+        ...     _ = model(torch.randint(0, 32, (1, 8)))
+        >>> sorted(rec.calls), tuple(rec.calls["transformer.h.0.attn"].args[0].shape)
+        (['transformer.h.0.attn', 'transformer.h.1.attn'], (1, 8, 8))
+    """
+
+    def __init__(self, sites: Sequence[AttentionSite]) -> None:
+        self.calls: dict[str, Call] = {}
+        self._memo: dict = {}
+        self._handles = []
+        for site in sites:
+            self._handles.append(site.module.register_forward_pre_hook(self._pre(site.name), with_kwargs=True))
+            self._handles.append(site.module.register_forward_hook(self._post(site.name), with_kwargs=True))
+
+    def _pre(self, name: str):
+        def hook(module, args, kwargs):
+            if name not in self.calls:
+                self.calls[name] = Call(_snapshot(args, self._memo), _snapshot(kwargs, self._memo), None, module.training)
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, kwargs, output):
+            call = self.calls.get(name)
+            if call is not None and call.output is None:
+                out = _first_tensor(output)
+                call.output = None if out is None else out.detach().clone()
+        return hook
+
+    @property
+    def complete(self) -> bool:
+        return all(c.output is not None for c in self.calls.values())
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._memo = {}
+
+    def __enter__(self) -> "CallRecorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------- one layer
+def _to_float64(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.double() if obj.is_floating_point() else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_float64(x) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_float64(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_float64(v) for k, v in obj.items()}
+    return obj
+
+
+def _rebind(site: AttentionSite, module: nn.Module) -> AttentionSite:
+    """The record ``site`` pointing into ``module``, a copy of ``site.module``."""
+    paths = {id(m): p for p, m in site.module.named_modules(remove_duplicate=False)}
+
+    def ref_on(ref: TensorRef | None) -> TensorRef | None:
+        if ref is None:
+            return None
+        path = paths.get(id(ref.owner))
+        if path is None:
+            raise GaugeError(
+                f"certify: {site.name}: {ref.name} is not held by the attention module {site.name or '<root>'} "
+                f"({type(site.module).__qualname__}); the certificate reruns that module alone, so its record must name "
+                "the module that computes all four projections (register the spec on the parent, e.g. BertAttention "
+                "for BERT's output.dense; docs/adapters.md)"
+            )
+        return dataclasses.replace(ref, owner=module.get_submodule(path) if path else module)
+
+    def proj_on(p: Projection) -> Projection:
+        return Projection(ref_on(p.weight), ref_on(p.bias), ref_on(p.row_mult), ref_on(p.col_mult))
+
+    norm: QKNorm | None = site.qk_norm
+    if norm is not None:
+        norm = dataclasses.replace(norm, q_gain=ref_on(norm.q_gain), k_gain=ref_on(norm.k_gain),
+                                   q_bias=ref_on(norm.q_bias), k_bias=ref_on(norm.k_bias))
+    return dataclasses.replace(site, module=module, q=proj_on(site.q), k=proj_on(site.k), v=proj_on(site.v),
+                               o=proj_on(site.o), qk_norm=norm)
+
+
+def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
+    seen: dict[int, LRMLinear] = {}
+    for _, ref in site.refs():
+        if isinstance(ref.owner, LRMLinear):
+            seen.setdefault(id(ref.owner), ref.owner)
+    return list(seen.values())
+
+
+def claimed_sectors(site: AttentionSite) -> list[str]:
+    """The sectors a record claims: ``qk`` (unless it has a QK-norm), ``vo``, ``perm`` (more than
+    one head, and no per-head score term), and the multiplier sectors its learnable multipliers give it."""
+    out = []
+    if site.qk_norm is None:
+        out.append("qk")
+    out.append("vo")
+    if site.h > 1 and not site.fixed_head_order:
+        out.append("perm")
+    if site.qk_norm is None and site.q.row_mult is not None and site.k.row_mult is not None:
+        out.append("lrm_qk")
+    if site.v.row_mult is not None and site.o.col_mult is not None:
+        out.append("lrm_vo")
+    if _lrm_layers(site):
+        out.append("lrm_internal")
+    return out
+
+
+@torch.no_grad()
+def _valid(site: AttentionSite, sector: str, g: torch.Generator) -> None:
+    if sector == "lrm_internal":
+        for m in _lrm_layers(site):
+            random_lrm_internal(m, g)
+    elif sector == "perm":
+        kv = torch.randperm(site.h_kv, generator=g)
+        if site.h_kv > 1 and torch.equal(kv, torch.arange(site.h_kv)):
+            kv = kv.roll(1)
+        within = torch.argsort(torch.rand(site.h_kv, site.n_rep, generator=g), dim=1)
+        if site.h_kv == 1:
+            within = within.roll(1, dims=1) if torch.equal(within[0], torch.arange(site.n_rep)) else within
+        permute_heads(site, kv, (kv[:, None] * site.n_rep + within).reshape(-1))
+    else:
+        apply_valid(site, sector, g)
+
+
+@torch.no_grad()
+def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
+    """Apply the sector's negative control; returns its name."""
+    if sector == "qk":
+        kind = "gl_under_rope" if site.rope.active else "asymmetric_qk"
+        apply_invalid(site, kind, g)
+        return kind
+    if sector == "vo":
+        apply_invalid(site, "vo_mismatch", g)
+        return "vo_mismatch"
+    if sector == "perm":  # query heads moved, their keys, values and output columns not
+        perm = torch.arange(site.h).roll(1)
+        for role, ref in site.q.refs():
+            if role != "col_mult":
+                v = ref.get()
+                v.copy_(v[perm])
+        return "q_heads_alone"
+    if sector == "lrm_qk":  # r_Q scaled per plane, r_K not compensated
+        r = site.q.row_mult.get()
+        r.mul_(_log_uniform(r.shape, 0.5, g, torch.float64).to(r))
+        return "r_q_alone"
+    if sector == "lrm_vo":
+        r = site.v.row_mult.get()
+        r.mul_(_log_uniform(r.shape, 0.5, g, torch.float64).to(r))
+        return "r_v_alone"
+    if sector == "lrm_internal":  # W̄ rescaled without the compensating row multipliers
+        for m in _lrm_layers(site):
+            m.weight.mul_(_log_uniform((m.out_features, 1), 0.5, g, torch.float64).to(m.weight))
+        return "w_bar_alone"
+    raise GaugeError(f"certify: unknown sector {sector!r}")
+
+
+def _run(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    out = _first_tensor(module(*args, **kwargs))
+    if out is None:
+        raise GaugeError(f"certify: {type(module).__qualname__} returned no tensor")
+    return out
+
+
+def certify_site(site: AttentionSite, call: Call, *, seed: int = 0) -> LayerCertificate:
+    """Certify one record on one recorded call (see the module docstring); raises :class:`GaugeError`."""
+    params = list(site.module.parameters())
+    if any(type(p).__name__ == "DTensor" for p in params):
+        raise GaugeError(f"certify: {site.name} has sharded (DTensor) parameters; certify the model before sharding it")
+    g = torch.Generator().manual_seed(seed)
+    base = copy.deepcopy(site.module).double().eval()
+    args, kwargs = _to_float64(call.args), _to_float64(call.kwargs)
+    cert = LayerCertificate(site.name, site.kind, float32_steps=site.float32_steps)
+    if call.output is not None and not call.training:  # the rerun must be the call it claims to be
+        cert.rerun_change = relative_change(_run(base, args, kwargs), call.output.double())
+        limit = _RERUN_TOL.get(call.output.dtype, 5e-2)
+        if not cert.rerun_change <= limit:
+            raise GaugeError(
+                f"certify: layer {site.name} ({site.kind}): rerunning the module alone on its recorded inputs changes its "
+                f"output by {cert.rerun_change:.1e} relative to the model's own forward ({call.output.dtype}, limit "
+                f"{limit:.0e}): the module depends on something the recording cannot replay (a cache, a hook, global "
+                "state), so gaugeopt cannot certify it"
+            )
+    randomize_parameters(base, g)
+    y = _run(base, args, kwargs)
+    for sector in claimed_sectors(site):
+        tol = FLOAT32_TOL if site.float32_steps and sector in _QK_SECTORS else VALID_TOL
+        moved = copy.deepcopy(base)
+        _valid(_rebind(site, moved), sector, g)
+        valid = relative_change(y, _run(moved, args, kwargs))
+        moved = copy.deepcopy(base)
+        kind = _control(_rebind(site, moved), sector, g)
+        control = relative_change(y, _run(moved, args, kwargs))
+        check = SectorCheck(sector, valid, control, kind, tol)
+        cert.sectors[sector] = check
+        if valid > tol:
+            raise GaugeError(
+                f"certify: layer {site.name} ({site.kind}), sector {sector}: a valid gauge transformation changed the "
+                f"module's output by {valid:.1e} (> {tol:.0e}), so the record does not describe this module's "
+                "computation — check the head counts and GQA grouping, the fused row order, the RoPE convention and "
+                "rotary width (partial rotary?), a per-head Q/K normalisation, extra learned keys or values"
+                + (f"; the module computes {site.float32_steps}" if site.float32_steps else "")
+            )
+        if control < CONTROL_MIN:
+            raise GaugeError(
+                f"certify: layer {site.name} ({site.kind}), sector {sector}: the negative control ({kind}) changed the "
+                f"module's output by only {control:.1e} (< {CONTROL_MIN:.0e}), so the check has no power: the record's "
+                "tensors may not be the ones the module computes with, or the example input does not exercise them"
+            )
+    return cert
+
+
+def certify_calls(sites: Sequence[AttentionSite], calls: Mapping[str, Call], *, seed: int = 0) -> CertificateReport:
+    """Certify every site on its recorded call and stamp the ones that pass."""
+    report = CertificateReport()
+    missing = [s.name for s in sites if s.name not in calls]
+    if missing:
+        raise GaugeError(
+            f"certify: the example forward never called {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}; "
+            "pass inputs that exercise every attention layer (an encoder-decoder needs decoder inputs too)"
+        )
+    for i, site in enumerate(sites):
+        report.layers.append(certify_site(site, calls[site.name], seed=seed + i))
+    for site in sites:
+        stamp(site)
+    return report
+
+
+def certify(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> CertificateReport:
+    """Prove that every attention record of ``model`` matches its module, on an example input.
+
+    Runs ``model(*example_args, **example_kwargs)`` once (no gradients; every module in eval
+    mode for the call, restored afterwards), then certifies each attention layer alone in
+    float64 (see the module docstring). Records that pass are stamped on their modules, which
+    lets :func:`gaugeopt.gauge_fix`, :class:`gaugeopt.GaugeProjected` and the other gauge
+    operations use records that no built-in adapter vouches for.
+
+    Returns:
+        :class:`CertificateReport`: per layer and sector, the largest valid change and the
+        negative control's change.
+
+    Raises:
+        GaugeError: naming the layer, the sector and the measured change, when a valid element
+            changes a layer's output by more than ``1e-10`` (``1e-6`` for float32 steps) or a
+            negative control by less than ``1e-3``; or when the forward skips a layer.
+    """
+    return certify_with(model, lambda m: m(*example_args, **example_kwargs))
+
+
+def certify_with(model: nn.Module, forward: Callable[[nn.Module], Any], *, sites: Sequence[AttentionSite] | None = None,
+                 seed: int = 0) -> CertificateReport:
+    """:func:`certify` with a ``forward(model)`` callable and optional precomputed ``sites``."""
+    sites = list(find_attention(model) if sites is None else sites)
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with CallRecorder(sites) as rec, torch.no_grad():
+            forward(model)
+        calls = rec.calls
+    finally:
+        for m, training in modes:
+            m.training = training
+    return certify_calls(sites, calls, seed=seed)
