@@ -9,7 +9,14 @@ class                                  layout                                   
 ``transformers`` ``MistralAttention``  as Llama, no bias                          split-half, full
 ``transformers`` ``Qwen2Attention``    as Llama, Q/K/V biases                     split-half, full
 ``torch.nn.MultiheadAttention``        fused ``in_proj_weight`` or separate       none
+``transformers`` ``Qwen3Attention``    as Llama + per-head RMSNorm QK-norm        split-half, full
+``transformers`` ``Olmo2Attention``    as Llama + full-width RMSNorm QK-norm      split-half, full
+``transformers`` ``Gemma3Attention``   as Llama + per-head ``(1+w)`` QK-norm      split-half, full
+``timm`` ``Attention(qk_norm=True)``   fused ``qkv``, LayerNorm QK-norm           none
 =====================================  =========================================  ==================
+
+QK-norm sites (:mod:`.hf_qknorm`, :mod:`.timm_qknorm`, the own GPT with ``qk_norm=True``) record the
+norm on :attr:`gaugeopt.AttentionSite.qk_norm`; their Q/K gauge acts on its gains (docs/qk_norm.md).
 
 Hugging Face classes are matched by their import path, so gaugeopt never imports
 ``transformers`` itself; the adapters run only for models that already did.
@@ -38,3 +45,7 @@ def _register() -> None:
 
 
 _register()
+
+# QK-norm adapters register last: the timm adapter hands instances without LayerNorm QK-norm to
+# whatever adapter was registered for the class before it.
+from gaugeopt.structure.adapters import hf_qknorm, timm_qknorm  # noqa: E402,F401
