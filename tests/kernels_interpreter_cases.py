@@ -42,6 +42,7 @@ ZOO = [  # (model, lrm, dtype): each layout once; the dtype alternates (the inte
     ("gpt_rope_split_half_gqa", True, F64),  # multipliers, RoPE planes, GQA
     ("hf_gpt2", True, F32),
     ("hf_llama", True, F64),
+    ("gpt_qknorm", False, F32),  # QK-norm gains: one vector shared by all heads, RoPE plane slots
 ]
 
 
