@@ -140,6 +140,19 @@ def test_valid_actions_with_learnable_multipliers(name):
     assert d_logits <= VALID_TOL and max(d_attn) <= VALID_TOL
     with pytest.raises(GaugeError, match="qk_gain"):
         gaugeopt.random_gauge_transform(case.copy(), ("lrm_qk",))
+    # why lrm_qk is refused here: paper 002's move r_Q ⊙ δ, r_K ⊘ δ (δ per RoPE plane) changes the
+    # function, because the row multipliers act before the norm (measured ≥ 1e-3)
+    moved = case.copy()
+    sites = _sites(moved)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for site in sites:
+            pid = gaugeopt.structure.rope.plane_index(site.rope, site.d_k)
+            delta = torch.exp(torch.rand(site.h_kv, int(pid.max()) + 1, generator=g, dtype=torch.float64) - 0.5)[:, pid]
+            site.q.row_mult.get().mul_(site.per_query(delta))
+            site.k.row_mult.get().div_(delta)
+    d_logits, d_attn = changes(case, moved, ref_sites, sites)
+    assert d_logits >= 1e-3 and min(d_attn) >= 1e-3, (d_logits, d_attn)
 
 
 # Smallest change each control made over this file's models (logits / smallest over layers of the

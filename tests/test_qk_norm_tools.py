@@ -164,6 +164,8 @@ def test_model_and_config_counts_agree(name):
     planes = site.rope.n_slots(site.d_k)
     gains = {"hf_olmo2": 2 * site.h_kv * planes}.get(name, 2 * planes)  # 2 layers
     assert from_model["qk_gain"] == gains and "qk" not in from_model
+    if name == "hf_gemma3":  # the multimodal config holds the language model's in text_config
+        assert gaugeopt.gauge_dimension({"model_type": "gemma3", "text_config": cfg.to_dict()}, per_symmetry=True) == from_model
 
 
 def _layer_nullity(module, params: dict[str, torch.nn.Parameter], inputs: torch.Tensor) -> tuple[int, float]:
