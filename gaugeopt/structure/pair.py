@@ -127,6 +127,12 @@ class PairSide:
     kind: str = "rows"
     offset: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.kind not in SIDE_KINDS:
+            raise GaugeError(f"PairSide.kind={self.kind!r} is not one of {SIDE_KINDS}")
+        if self.offset and self.kind != "gain":
+            raise GaugeError(f"PairSide: an offset ({self.offset}) belongs to a QK-norm gain, not to projection rows")
+
     def members(self, mode: str) -> tuple[Member, ...]:
         """The tensors a diagonal gauge of this side rescales: ``"lrm"`` — the multiplier;
         ``"plain"`` — the weight and the bias that travels with it; ``"gain"`` (a gain side) — the
