@@ -82,11 +82,14 @@ def changes(case, moved, sites_ref, sites_moved) -> tuple[float, list[float]]:
 # ---------------------------------------------------------------------- a norm gain stored as 1 + w
 class OffsetNormAttention(nn.Module):
     """Causal GQA attention whose per-head RMSNorm has the gain ``1 + w`` (Gemma's convention), before
-    split-half RoPE; plain float64 arithmetic, so every gauge move on ``w`` is exact here."""
+    split-half RoPE (or after it, ``norm_after_rope=True``: no model in use has that order); plain
+    float64 arithmetic, so every gauge move on ``w`` is exact here."""
 
-    def __init__(self, d_model: int = 32, h: int = 4, h_kv: int = 2, d: int = 8, eps: float = 1e-6) -> None:
+    def __init__(self, d_model: int = 32, h: int = 4, h_kv: int = 2, d: int = 8, eps: float = 1e-6,
+                 norm_after_rope: bool = False) -> None:
         super().__init__()
         self.h, self.h_kv, self.d, self.eps = h, h_kv, d, eps
+        self.norm_after_rope = norm_after_rope
         self.q, self.k = nn.Linear(d_model, h * d), nn.Linear(d_model, h_kv * d)
         self.v, self.o = nn.Linear(d_model, h_kv * d), nn.Linear(h * d, d_model)
         self.q_w, self.k_w = nn.Parameter(torch.zeros(d)), nn.Parameter(torch.zeros(d))
@@ -97,18 +100,21 @@ class OffsetNormAttention(nn.Module):
         q = self.q(x).view(B, T, self.h, self.d).transpose(1, 2)
         k = self.k(x).view(B, T, self.h_kv, self.d).transpose(1, 2)
         v = self.v(x).view(B, T, self.h_kv, self.d).transpose(1, 2)
+        if self.norm_after_rope:
+            q, k = self.rotary(q), self.rotary(k)
         q = F.rms_norm(q, (self.d,), eps=self.eps) * (1 + self.q_w)
         k = F.rms_norm(k, (self.d,), eps=self.eps) * (1 + self.k_w)
-        q, k = self.rotary(q), self.rotary(k)
+        if not self.norm_after_rope:
+            q, k = self.rotary(q), self.rotary(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o(y.transpose(1, 2).reshape(B, T, self.h * self.d))
 
 
 class OffsetNormLM(nn.Module):
-    def __init__(self, vocab: int = 61, d_model: int = 32, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 61, d_model: int = 32, layers: int = 2, norm_after_rope: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, d_model)
-        self.layers = nn.ModuleList([OffsetNormAttention(d_model) for _ in range(layers)])
+        self.layers = nn.ModuleList([OffsetNormAttention(d_model, norm_after_rope=norm_after_rope) for _ in range(layers)])
         self.head = nn.Linear(d_model, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -122,7 +128,8 @@ def _adapt_offset(root: nn.Module, name: str, m: OffsetNormAttention):
     site = site_from_linears(m, name, q="q", k="k", v="v", o="o", num_heads=m.h, num_kv_heads=m.h_kv,
                              rope=RopeSpec("split_half", m.d))
     ref = lambda attr: TensorRef(m, attr, f"{name}.{attr}", (1, m.d))  # noqa: E731
-    return dataclasses.replace(site, qk_norm=QKNorm("rms", ref("q_w"), ref("k_w"), eps=m.eps, gain_offset=1.0))
+    norm = QKNorm("rms", ref("q_w"), ref("k_w"), eps=m.eps, gain_offset=1.0, before_rope=not m.norm_after_rope)
+    return dataclasses.replace(site, qk_norm=norm)
 
 
 register_adapter(OffsetNormAttention, _adapt_offset)

@@ -60,7 +60,7 @@ def reference_attention(
 ) -> torch.Tensor:
     """Attention output ``(B, T, d_out)`` for input ``x: (B, T, d_model)``: causal (optionally within
     a sliding ``window``) or not, scores scaled by ``scale`` (default ``1/sqrt(d_k)``), with the
-    site's QK-norm (:func:`qk_norm`) before RoPE when it has one."""
+    site's QK-norm (:func:`qk_norm`) before or after RoPE as recorded."""
     kv = x if kv is None else kv
     wq, bq = site.effective("q")
     wk, bk = site.effective("k")
@@ -78,15 +78,18 @@ def reference_attention(
     for b in range(B):
         q = torch.stack([x[b] @ wq[i].T + (0 if bq is None else bq[i]) for i in range(site.h)])  # (h, T, d_k)
         k = torch.stack([kv[b] @ wk[j].T + (0 if bk is None else bk[j]) for j in range(site.h_kv)])
-        if site.qk_norm is not None:
+        norm_first = site.qk_norm is not None and site.qk_norm.before_rope
+        if norm_first:
+            q, k = qk_norm(site, q, "q"), qk_norm(site, k, "k")
+        if planes:
+            rot = lambda t: torch.stack([rotate(x, planes, base, site.rope.rotary_dim, angle_dtype, inv_freq) for x in t])  # noqa: E731
+            q, k = rot(q), rot(k)
+        if site.qk_norm is not None and not norm_first:
             q, k = qk_norm(site, q, "q"), qk_norm(site, k, "k")
         for i in range(site.h):
             j = i // (site.h // site.h_kv)
             qi, kj = q[i], k[j]
             v = kv[b] @ wv[j].T + (0 if bv is None else bv[j])  # (T, d_v)
-            if planes:
-                qi = rotate(qi, planes, base, site.rope.rotary_dim, angle_dtype, inv_freq)
-                kj = rotate(kj, planes, base, site.rope.rotary_dim, angle_dtype, inv_freq)
             s = (qi @ kj.T) * scale
             s = s.masked_fill(~mask, float("-inf"))
             out[b] += torch.softmax(s, dim=-1) @ v @ wo[:, i, :].T

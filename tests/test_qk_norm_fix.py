@@ -100,6 +100,10 @@ def test_modes_and_granularities():
     _imbalance(case.model, sites)
     gaugeopt.gauge_fix(case.model, vo=True)
     assert torch.equal(sites[0].q.row_mult.get(), r_q)  # r_Q vs r_K is not a gauge here: untouched
+    after = zoo.build("offset_norm_after_rope").model  # the norm after RoPE: a factor per channel is exact
+    after_plan = plan_pairs(gaugeopt.find_attention(after))[0]
+    assert (after_plan.granularity, after_plan.n_slots) == ("channel", 8)
+    assert gaugeopt.gauge_dimension(after, per_symmetry=True)["qk_gain"] == 2 * 8
     timm_plans = plan_pairs(gaugeopt.find_attention(zoo.build("timm_vit_qknorm").model))
     assert (timm_plans[0].granularity, timm_plans[0].n_slots) == ("channel", 8)
     assert [(m.role, m.measured) for m in timm_plans[0].members_a] == [("q.gain", True), ("q.norm_bias", False)]

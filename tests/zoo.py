@@ -135,7 +135,8 @@ QK_NORM_GPT = {
 }
 QK_NORM_HF = ("hf_qwen3", "hf_olmo2", "hf_gemma3")
 # "offset_norm": a float64 model whose norm gain is 1 + w (Gemma's convention), qk_norm_helpers.OffsetNormLM
-QK_NORM = tuple(QK_NORM_GPT) + QK_NORM_HF + ("timm_vit_qknorm", "offset_norm")
+# "offset_norm_after_rope": the same with the norm after RoPE (a gain factor per channel is exact there)
+QK_NORM = tuple(QK_NORM_GPT) + QK_NORM_HF + ("timm_vit_qknorm", "offset_norm", "offset_norm_after_rope")
 ALL = tuple(GPT_CONFIGS) + HF_KINDS + ("torch_mha", "torch_mha_kdim")
 # One representative of each adapter, with and without multipliers, for the slower tests.
 LRM_CAPABLE = ("gpt", "gpt_rope_split_half_gqa", "gpt_rope_interleaved", "hf_gpt2", "hf_llama", "hf_qwen2")
@@ -155,10 +156,10 @@ def raw_model(name: str) -> nn.Module:
         return _hf_qk_norm(name)
     if name == "timm_vit_qknorm":
         return _timm_vit()
-    if name == "offset_norm":
+    if name in ("offset_norm", "offset_norm_after_rope"):
         from qk_norm_helpers import OffsetNormLM
 
-        return OffsetNormLM(VOCAB)
+        return OffsetNormLM(VOCAB, norm_after_rope=name.endswith("after_rope"))
     if name == "torch_mha":
         return MHAModel()
     if name == "torch_mha_kdim":
