@@ -43,6 +43,7 @@ ZOO = [  # (model, lrm, dtype): each layout once; the dtype alternates (the inte
     ("hf_gpt2", True, F32),
     ("hf_llama", True, F64),
     ("hf_gpt_neox", False, F32),  # fused [q_i, k_i, v_i] per head: strided head views, partial RoPE
+    ("gpt_qknorm", False, F32),  # QK-norm gains: one vector shared by all heads, RoPE plane slots
 ]
 
 

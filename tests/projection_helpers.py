@@ -2,7 +2,7 @@
 
 Generators are the derivatives of the *finite* gauge actions of :mod:`gaugeopt.structure.actions`
 (``act_qk``, ``act_vo``, ``scale_qk_multipliers``, ``scale_vo_multipliers``,
-``rescale_lrm_internal``) at the identity, taken by the complex-step method: on a complex
+``rescale_lrm_internal``, ``scale_qk_gains``) at the identity, taken by the complex-step method: on a complex
 copy of the model, apply the action with group element ``I + iε·E`` and read
 ``Im(θ)/ε`` — exact to rounding (no subtractive cancellation, truncation ``O(ε²)`` with
 ``ε = 1e-30``). Nothing here uses gaugeopt's generator formulas or solvers.
@@ -23,7 +23,9 @@ import torch
 import torch.nn as nn
 
 import gaugeopt
-from gaugeopt.structure.actions import act_qk, act_vo, rescale_lrm_internal, scale_qk_multipliers, scale_vo_multipliers
+from gaugeopt.structure.actions import (
+    act_qk, act_vo, rescale_lrm_internal, scale_qk_gains, scale_qk_multipliers, scale_vo_multipliers,
+)
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import commutant_basis, plane_index
 
@@ -129,6 +131,18 @@ def generator_images(
                     e = torch.ones(s.h_kv, s.d_v, dtype=CDT)
                     e[j, c] = 1 + 1j * EPS
                     out.append((s.name, _images(mc, lambda s=s, e=e: scale_vo_multipliers(s, e), cand)))
+    elif sector == "qk_gain":
+        for s in sites:
+            if s.qk_norm is None:
+                continue
+            cand = s.parameter_names()
+            pair = s.pair("qk_gain")
+            pid = plane_index(pair.rope, s.d_k)
+            for j in range(pair.groups):
+                for m in range(int(pid.max()) + 1):
+                    delta = torch.ones(pair.groups, s.d_k, dtype=CDT)
+                    delta[j, pid == m] = 1 + 1j * EPS
+                    out.append((s.name, _images(mc, lambda s=s, d=delta: scale_qk_gains(s, d), cand)))
     elif sector == "lrm_internal":
         for name, m in mc.named_modules():
             if not isinstance(m, LRMLinear) or not name.startswith(prefix):

@@ -77,10 +77,23 @@ def test_verify_prints_paper_tables(ckpts, capsys):
     assert rc == 0 and err == ""
     assert "Tables 5-6" in out and "Table 7" in out
     rows = _rows(out)
-    assert set(gaugeopt.structure.actions.INVALID_KINDS) <= set(rows)  # every control applies (RoPE, two KV groups)
+    plain = [k for k in gaugeopt.structure.actions.INVALID_KINDS if k not in gaugeopt.structure.actions.QK_NORM_INVALID_KINDS]
+    assert set(plain) <= set(rows)  # every control of plain attention applies (RoPE, two KV groups)
+    assert not set(gaugeopt.structure.actions.QK_NORM_INVALID_KINDS) & set(rows)
     assert float(rows["logits"][-1]) <= 1e-12
-    assert min(float(rows[k][-1]) for k in gaugeopt.structure.actions.INVALID_KINDS) > 1e-3
+    assert min(float(rows[k][-1]) for k in plain) > 1e-3
     assert "verdict: PASS" in out
+
+
+def test_verify_a_qk_norm_checkpoint(capsys, tmp_path):
+    """A QK-norm model: the gain gauge among the valid kinds, the QK-norm controls among the invalid."""
+    save_checkpoint(zoo.build("gpt_qknorm", 0).model, tmp_path / "qk")
+    rc, out, err = run(capsys, "verify", tmp_path / "qk", "--trials", "2")
+    assert rc == 0 and err == "" and "verdict: PASS" in out
+    assert "kinds: vo, perm, qk_gain" in out
+    rows = _rows(out)
+    assert {"qk_under_norm", "head_scalar", "gain_off_plane"} <= set(rows)
+    assert float(rows["logits"][-1]) <= 1e-12 and float(rows["head_scalar"][-1]) > 1e-6
 
 
 def test_canonicalize_writes_an_exact_canonical_checkpoint(ckpts, capsys, tmp_path):

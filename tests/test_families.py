@@ -21,7 +21,7 @@ import torch
 import gaugeopt
 import zoo_families as zf
 from gaugeopt import GaugeError
-from gaugeopt.structure.actions import INVALID_KINDS
+from gaugeopt.structure.actions import applicable_invalid_kinds
 from gaugeopt.structure.certificate import certify_with
 from model_libraries import quiet, require
 
@@ -60,9 +60,7 @@ def test_family_gauge_is_exact_and_controls_break(name, lrm):
             out, att = _changes(case, y0, a0, moved)
             assert out <= VALID_TOL and att <= VALID_TOL, (k, out, att)
         tried = []
-        for k in INVALID_KINDS:
-            if (k == "gl_under_rope" and not s.rope.active) or (k == "cross_head" and s.h_kv < 2):
-                continue
+        for k in applicable_invalid_kinds(sites):  # e.g. no gl_under_rope without RoPE, no QK-norm controls here
             moved = gaugeopt.invalid_gauge_transform(case.copy(), k, generator=torch.Generator().manual_seed(5))
             out, att = _changes(case, y0, a0, moved)
             assert out >= INVALID_MIN and att >= INVALID_MIN, (k, out, att)
@@ -87,12 +85,26 @@ def test_family_certifies_as_built(name):
     assert report.worst_valid <= tol and report.weakest_control >= INVALID_MIN
 
 
-@pytest.mark.parametrize("name", sorted(zf.QK_NORM))
+# Q/K-normalised families whose gain gauge the suite verifies (tests/test_qk_norm.py); the others are refused
+QK_NORM_SUPPORTED = ("hf_gemma3", "hf_olmo2", "hf_qwen3", "timm_qk_norm")
+
+
+@pytest.mark.parametrize("name", sorted(set(zf.QK_NORM) - set(QK_NORM_SUPPORTED)))
 def test_qk_norm_families_are_recognised_and_refused(name):
     model, _, _ = zf.raw(name)
     with pytest.raises(GaugeError, match="per-head Q/K normalisation") as err:
         gaugeopt.find_attention(model)
     assert "no adapter understands" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", QK_NORM_SUPPORTED)
+def test_supported_qk_norm_families_record_the_norm(name):
+    model, _, _ = zf.raw(name)
+    sites = gaugeopt.find_attention(model)
+    assert sites and all(s.verified and s.qk_norm is not None for s in sites)
+    with pytest.raises(GaugeError, match="QK-norm"):
+        sites[0].pair("qk")  # GL(d_k) on W_Q/W_K is not a symmetry there
+    assert sites[0].pair("qk_gain").a.weight is sites[0].qk_norm.q_gain and sites[0].pair("qk_gain").a.kind == "gain"
 
 
 def test_qk_norm_record_is_filled_before_the_refusal():

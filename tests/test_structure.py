@@ -108,9 +108,18 @@ def test_unknown_attention_class_is_refused_not_skipped():
     assert len(gaugeopt.find_attention(model, allow_unclaimed=["1"])) == 1
 
 
-def test_qk_norm_is_refused():
+def test_qk_norm_is_recorded_and_its_dense_pair_refused():
+    """GPT(qk_norm=True): the site records the norm; the dense Q/K pair is refused (docs/qk_norm.md),
+    and a norm module the adapter does not know is refused."""
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8, qk_norm=True))
-    with pytest.raises(GaugeError, match="per-head Q/K normalisation"):
+    (site,) = gaugeopt.find_attention(model)
+    n = site.qk_norm
+    assert (n.kind, n.scope, n.q_gain.name, n.k_gain.shape, n.eps) == ("rms", "head", "transformer.h.0.attn.q_norm.weight", (1, 4), 1e-6)
+    assert site.qk_kind == "qk_gain" and "qk_norm" in site.features
+    with pytest.raises(GaugeError, match="not a symmetry"):
+        site.pair("qk")
+    model.transformer.h[0].attn.k_norm = nn.LayerNorm(4)
+    with pytest.raises(GaugeError, match="k_norm of type LayerNorm"):
         gaugeopt.find_attention(model)
 
 

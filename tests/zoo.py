@@ -95,7 +95,49 @@ class MHAModel(nn.Module):
         return self.head(self.ln(x + y))
 
 
+def _hf_qk_norm(kind: str) -> nn.Module:
+    """Qwen3 / OLMo 2 / Gemma 3 with Q/K biases and GQA; SDPA attention (float64 in a float64 model;
+    their RMSNorms still round through float32: qk_norm_helpers.float64_norms)."""
+    transformers = __import__("transformers")
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attention_bias=True,
+                  bos_token_id=0, eos_token_id=0)
+    if kind == "hf_qwen3":
+        cfg, cls = transformers.Qwen3Config(**common), transformers.Qwen3ForCausalLM
+    elif kind == "hf_olmo2":
+        cfg, cls = transformers.Olmo2Config(**common), transformers.Olmo2ForCausalLM
+    elif kind == "hf_gemma3":
+        cfg = transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention"],
+                                            sliding_window=4, query_pre_attn_scalar=8)
+        cls = transformers.Gemma3ForCausalLM
+    else:
+        raise KeyError(kind)
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False  # a recorded attention call can be replayed (no KV cache to grow)
+    return cls(cfg)
+
+
+def _timm_vit() -> nn.Module:
+    from timm_helpers import import_timm
+
+    import_timm()
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=VOCAB,
+                             qk_norm=True, qkv_bias=True)
+
+
 HF_KINDS = ("hf_gpt2", "hf_llama", "hf_qwen2", "hf_mistral")
+# QK-norm models (docs/qk_norm.md): kept out of ALL, whose tests exercise the dense Q/K gauge.
+QK_NORM_GPT = {
+    "gpt_qknorm": dict(rope="split_half", n_kv_head=2, norm="rmsnorm", mlp="swiglu", qk_norm=True),
+    "gpt_qknorm_partial_interleaved": dict(rope="interleaved", rotary_dim=4, qk_norm=True),
+    "gpt_qknorm_norope": dict(qk_norm=True),
+}
+QK_NORM_HF = ("hf_qwen3", "hf_olmo2", "hf_gemma3")
+# "offset_norm": a float64 model whose norm gain is 1 + w (Gemma's convention), qk_norm_helpers.OffsetNormLM
+# "offset_norm_after_rope": the same with the norm after RoPE (a gain factor per channel is exact there)
+QK_NORM = tuple(QK_NORM_GPT) + QK_NORM_HF + ("timm_vit_qknorm", "offset_norm", "offset_norm_after_rope")
 ALL = tuple(GPT_CONFIGS) + HF_KINDS + ("torch_mha", "torch_mha_kdim")
 # One representative of each adapter, with and without multipliers, for the slower tests.
 LRM_CAPABLE = ("gpt", "gpt_rope_split_half_gqa", "gpt_rope_interleaved", "hf_gpt2", "hf_llama", "hf_qwen2")
@@ -107,8 +149,18 @@ CASE_IDS = [n + ("+lrm" if lrm else "") for n, lrm in CASES]
 def raw_model(name: str) -> nn.Module:
     if name in GPT_CONFIGS:
         return _gpt(**GPT_CONFIGS[name])
+    if name in QK_NORM_GPT:
+        return _gpt(**QK_NORM_GPT[name])
     if name in HF_KINDS:
         return _hf(name)
+    if name in QK_NORM_HF:
+        return _hf_qk_norm(name)
+    if name == "timm_vit_qknorm":
+        return _timm_vit()
+    if name in ("offset_norm", "offset_norm_after_rope"):
+        from qk_norm_helpers import OffsetNormLM
+
+        return OffsetNormLM(VOCAB, norm_after_rope=name.endswith("after_rope"))
     if name == "torch_mha":
         return MHAModel()
     if name == "torch_mha_kdim":
@@ -136,8 +188,13 @@ def build(name: str, seed: int = 0, *, lrm: bool = False, dtype=torch.float64) -
     model = model.to(dtype).eval()
     g = torch.Generator().manual_seed(seed)
     randomize_parameters(model, g)
-    inputs = torch.randint(0, VOCAB, (B, T), generator=g)
+    if name.startswith("timm"):
+        inputs = torch.randn(B, 3, 16, 16, generator=g, dtype=dtype)
+    else:
+        inputs = torch.randint(0, VOCAB, (B, T), generator=g)
     f = forward_fn(name)
+    if name.startswith("offset_norm"):  # a test-defined attention with a user adapter: certified, as a user would
+        gaugeopt.certify(model, inputs)
     return Case(name + ("+lrm" if lrm else ""), model, inputs, lambda m: f(m, inputs))
 
 

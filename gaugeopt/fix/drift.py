@@ -13,6 +13,11 @@ computes both, per layer, KV group and slot (:mod:`gaugeopt.fix.plan`), for Q/K 
 per KV group: ``s_Q[j]`` is the RMS over all query heads of group ``j`` (all their multipliers,
 or all their rows) and ``s_K[j] = RMS(r_K[j])``. A "head" in these metrics is a KV group.
 
+**QK-norm.** On a site that normalises queries and keys the Q/K drift is the drift of the norm's
+gains, ``|log(RMS g_q / RMS g_k)|`` over the slot (docs/qk_norm.md): one gain vector shared by all
+heads is one group, so ``granularity="head"`` gives one number per layer (per KV group for
+per-head gains, OLMo 2). Gemma's stored ``w`` is measured as the gain ``1 + w``.
+
 Slot drift is ``|log((s_a + ε)/(s_b + ε))|`` (ε as in the fix, eq. 4, so that an all-zero slot
 gives a finite number; for ``s ≫ ε`` it is eq. 3). :func:`read_mean_squares` reads one mean
 square per channel from the current values (for stored rows the mean over the whole augmented
@@ -65,14 +70,17 @@ def read_mean_squares(side: PairSide, members: Sequence[Member], dtype: torch.dt
     """Mean square of each channel of ``side``: ``(groups, repeat, width)``, replicated on every rank.
 
     For a multiplier it is ``r²``; for stored rows the mean of the squares of the whole
-    augmented row ``[W[c, :] | b[c]]`` (or O column). Computed in at least float32.
+    augmented row ``[W[c, :] | b[c]]`` (or O column); for a QK-norm gain ``(g + offset)²`` (its
+    LayerNorm bias is not measured). Computed in at least float32.
     """
     total, length = None, 0
     for member in members:
+        if not member.measured:
+            continue
         p = member.ref.param.detach()
         cdt = dtype or torch.promote_types(p.dtype, torch.float32)
         rref, axis, _ = reduced_ref(member)
-        x = p.to(cdt)
+        x = p.to(cdt) + member.offset if member.offset else p.to(cdt)
         if axis is None:
             sq = full(x * x)
             length += 1
@@ -121,7 +129,8 @@ class PairScales:
     """Scales of one gauge of one layer at one granularity (tensors ``(h_kv, n_slots)``).
 
     Attributes:
-        name: site name; ``layer``: its index; ``kind``: ``"qk"`` or ``"vo"``.
+        name: site name; ``layer``: its index; ``kind``: ``"qk"``, ``"vo"`` or ``"qk_gain"``
+            (a QK-norm site's Q/K gauge; tensors ``(groups, n_slots)``).
         s_a, s_b: ``s_Q, s_K`` (or ``s_V, s_O``).
         drift: ``|log((s_a + ε)/(s_b + ε))|``.
         product: the gauge-invariant ``s_a·s_b``.
@@ -168,6 +177,9 @@ def qk_drift(
     eps: float = 1e-12,
 ) -> float:
     """Paper 002 eq. 3: ``max over layers and heads of |log(s_Q/s_K)|`` (KV groups under GQA).
+
+    On a QK-norm site ``s_Q``, ``s_K`` are the RMS of the norm's query and key gains (the Q/K gauge
+    acts on them there), so the number is the gain drift ``|log(RMS g_q / RMS g_k)|``.
 
     Args:
         model: the model (ignored when ``sites`` is given).

@@ -11,7 +11,12 @@ backends consume plans.
 * ``"plain"``: the stored rows and the bias that travels with them (``[W | b]`` is one augmented
   matrix; the O side is the columns ``W_O[:, i]``). The per-head scalar gauge ``A = g·I`` is a
   subgroup of ``GL(d_k)``, so this is a section of the full gauge for any attention;
-* ``"auto"``: multipliers where the site has them.
+* ``"auto"``: multipliers where the site has them; on a QK-norm site (``site.qk_norm``) the norm's
+  **gains** ``g_q`` vs ``g_k`` (the ``"qk_gain"`` pair; docs/qk_norm.md). There the rows of
+  ``W_Q``/``W_K`` and the multipliers ``r_Q``/``r_K`` are not a symmetry (the norm undoes a
+  rescale only up to its epsilon, and only when uniform over a head), so ``"lrm"`` and ``"plain"``
+  are refused on such a site's Q/K pair; its V/O pair follows the rules above. A plan of a
+  gain pair reports mode ``"gain"``.
 
 **Granularity** — which channels of a head share one scale (a *slot*):
 
@@ -20,7 +25,8 @@ backends consume plans.
   rotation plane differently does not commute with the rotation;
 * ``"plane"``   — one slot per RoPE plane, and one per non-rotary channel
   (:func:`gaugeopt.structure.rope.plane_index`); without RoPE it equals ``"channel"``;
-* ``"auto"``    — ``"plane"`` under RoPE, ``"head"`` otherwise.
+* ``"auto"``    — ``"plane"`` under RoPE, ``"head"`` otherwise; for QK-norm gains the finest slots
+  the gain gauge allows: ``"plane"`` when the norm acts before RoPE, ``"channel"`` otherwise.
 
 Example:
     >>> import gaugeopt
@@ -42,7 +48,7 @@ import torch
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES
-from gaugeopt.structure.pair import PAIRS, GaugePair, Member, PairSide
+from gaugeopt.structure.pair import GaugePair, Member, PairSide
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
 
@@ -59,6 +65,7 @@ __all__ = [
 GRANULARITIES = ("auto", "head", "channel", "plane")
 VO_GRANULARITIES = ("head", "channel")
 MODES = ("auto", "lrm", "plain")
+FIX_KINDS = ("qk", "vo")  # "qk": the site's Q/K gauge, on its gains under QK-norm (AttentionSite.qk_kind)
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -100,7 +107,7 @@ class PairPlan:
 
     Attributes:
         pair: the site's :class:`~gaugeopt.structure.pair.GaugePair`.
-        mode: ``"lrm"`` or ``"plain"`` (resolved).
+        mode: ``"lrm"``, ``"plain"`` or ``"gain"`` (resolved; ``"gain"`` for a QK-norm site's gains).
         granularity: ``"head"``, ``"channel"`` or ``"plane"`` (resolved).
         members_a, members_b: the tensors each side's factor rescales.
     """
@@ -131,7 +138,7 @@ class PairPlan:
 
     @property
     def groups(self) -> int:
-        """Independent factors per slot (``h_kv``)."""
+        """Independent factors per slot (``h_kv``; ``1`` for a gain vector shared by every head)."""
         return self.pair.groups
 
     @property
@@ -145,7 +152,7 @@ class PairPlan:
     @property
     def heads_per_group(self) -> int:
         """Query heads one group's factor acts on (what ``heads_fixed`` counts per changed group)."""
-        return self.site.n_rep if self.kind == "qk" else 1
+        return self.pair.query_heads_per_group
 
     def batch_key(self) -> tuple:
         """Plans with equal keys are stacked along a layer axis and balanced in one call."""
@@ -153,6 +160,15 @@ class PairPlan:
 
 
 def _resolve_mode(pair: GaugePair, mode: str) -> str:
+    if pair.kind == "qk_gain":
+        if mode != "auto":
+            raise GaugeError(
+                f"mode={mode!r} on {pair.site.name}, which normalises queries and keys (QK-norm): rescaling "
+                f"{'the multipliers r_Q/r_K' if mode == 'lrm' else 'the rows of W_Q/W_K'} is not a symmetry there (the "
+                "norm undoes a rescale only up to its epsilon, and only when uniform over a head). Its Q/K gauge acts "
+                "on the norm's gains: use mode='auto', which balances g_q against g_k (docs/qk_norm.md)"
+            )
+        return "gain"
     have = pair.has_multipliers
     if mode == "lrm" and not have:
         a, b = pair.a, pair.b
@@ -169,7 +185,7 @@ def _resolve_mode(pair: GaugePair, mode: str) -> str:
 def _slots(pair: GaugePair, granularity: str) -> tuple[str, torch.Tensor, int]:
     width, rope = pair.width, pair.rope
     if granularity == "auto":
-        granularity = "plane" if rope.active else "head"
+        granularity = "plane" if rope.active else ("channel" if pair.kind == "qk_gain" else "head")
     if granularity == "head":
         return "head", torch.zeros(width, dtype=torch.long), 1
     if granularity == "channel":
@@ -200,9 +216,10 @@ def plan_pairs(
     """Build the fix/metric plan for ``sites`` (validates every option; no tensor is read).
 
     Args:
-        kinds: ``"qk"`` and/or ``"vo"``.
+        kinds: ``"qk"`` and/or ``"vo"``. ``"qk"`` is each site's Q/K gauge: the ``"qk_gain"`` pair on a
+            QK-norm site, the ``"qk"`` pair elsewhere (:attr:`~gaugeopt.AttentionSite.qk_kind`).
         granularity: Q/K slots, one of :data:`GRANULARITIES` (``"auto"``: per RoPE plane
-            where the site uses RoPE, per head otherwise).
+            where the site uses RoPE, per head otherwise; per channel for gains without RoPE).
         vo_granularity: V/O slots, ``"head"`` or ``"channel"`` (RoPE does not act on values).
         mode: ``"lrm"`` (multipliers; refuses a site without them), ``"plain"`` (stored rows
             and biases) or ``"auto"`` (multipliers where present).
@@ -211,11 +228,11 @@ def plan_pairs(
     check_choice("vo_granularity", vo_granularity, VO_GRANULARITIES)
     check_choice("mode", mode, MODES)
     for k in kinds:
-        check_choice("kind", k, PAIRS)
+        check_choice("kind", k, FIX_KINDS)
     plans = []
     for site in sites:
         for kind in kinds:
-            pair = site.pair(kind)
+            pair = site.pair(site.qk_kind if kind == "qk" else kind)
             m = _resolve_mode(pair, mode)
             gran, slot, n_slots = _slots(pair, granularity if kind == "qk" else vo_granularity)
             plans.append(PairPlan(pair, m, gran, pair.a.members(m), pair.b.members(m), slot, n_slots))

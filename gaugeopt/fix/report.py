@@ -46,7 +46,8 @@ class GaugeFixReport:
     """Result of :func:`gaugeopt.gauge_fix`.
 
     Attributes:
-        pairs: one :class:`PairRecord` per layer and gauge (``"qk"``, then ``"vo"`` if asked).
+        pairs: one :class:`PairRecord` per layer and gauge (``"qk"``, then ``"vo"`` if asked; a
+            QK-norm layer's Q/K record has kind ``"qk_gain"`` and counts as Q/K in every summary).
         transported, reset, left: names of the parameters whose optimizer state was transported,
             reset, or left stale (``unknown_state``); parameters without state are in none.
         backend: ``"torch"`` or ``"triton"``: which implementation computed the numbers.
@@ -59,7 +60,9 @@ class GaugeFixReport:
     backend: str = "torch"
 
     def _of(self, kind: str) -> list[PairRecord]:
-        return [p for p in self.pairs if p.kind == kind]
+        """Records of one gauge: ``"qk"`` is every layer's Q/K gauge, its gains under QK-norm included."""
+        kinds = ("qk", "qk_gain") if kind == "qk" else (kind,)
+        return [p for p in self.pairs if p.kind in kinds]
 
     def _max(self, kind: str, attr: str) -> float:
         return worst(getattr(p, attr) for p in self._of(kind))

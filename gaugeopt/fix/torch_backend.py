@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from gaugeopt.errors import GaugeError
 from gaugeopt.fix.balance import balance_factors
 from gaugeopt.fix.drift import read_mean_squares
 from gaugeopt.fix.plan import PairPlan
@@ -93,10 +94,12 @@ class TorchFix:
                 g_side, m_side = side.expand(gauge), side.expand(mag)  # (heads, width)
                 for member in members:
                     p = member.ref.param
-                    entry = per_param.setdefault(id(p), [p, None, None])
+                    entry = per_param.setdefault(id(p), [p, None, None, member.offset])
+                    if entry[3] != member.offset:
+                        raise GaugeError(f"{member.ref.name}: members of one parameter with different gain offsets")
                     entry[1] = storage_factor(member, g_side * m_side, out=entry[1])
                     entry[2] = storage_factor(member, g_side, out=entry[2])
-        for pid, (p, f_param, f_gauge) in per_param.items():
-            rescale_param(p, f_param)
+        for pid, (p, f_param, f_gauge, offset) in per_param.items():
+            rescale_param(p, f_param, offset)
             for t, k in self.state.get(pid, ()):
                 rescale_tensor(t, f_gauge, -k)

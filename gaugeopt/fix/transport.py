@@ -223,10 +223,21 @@ def transport_entries(optimizer, param: torch.Tensor) -> list[tuple[str, torch.T
 
 
 @torch.no_grad()
-def rescale_param(param: torch.Tensor, factor: torch.Tensor) -> None:
+def rescale_param(param: torch.Tensor, factor: torch.Tensor, offset: float = 0.0) -> None:
     """``param ← factor ⊙ param`` in place (shard-locally for a DTensor), ``factor`` in storage
-    layout and broadcastable against ``param``."""
-    rescale_tensor(param, factor, 1)
+    layout and broadcastable against ``param``.
+
+    With ``offset`` (a QK-norm gain stored as ``gain − offset``, Gemma's ``1 + w``) the scaled value
+    is ``param + offset``: ``param ← (param + offset) ⊙ factor − offset``, computed in at least
+    float32 and rounded once. Its derivative is still ``factor``, so the optimizer state is
+    transported exactly as for ``offset = 0``."""
+    if not offset:
+        rescale_tensor(param, factor, 1)
+        return
+    t = local_view(param)
+    f = local_factor(factor, param)
+    cdt = torch.promote_types(t.dtype, torch.float32)
+    t.copy_((t.to(cdt) + offset) * f.to(cdt) - offset)
 
 
 @torch.no_grad()

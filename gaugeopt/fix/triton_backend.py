@@ -53,6 +53,13 @@ def unsupported_reason(plans: Sequence[PairPlan], state: StateMap) -> str | None
         return f"parameters on several devices {sorted(map(str, devices))}"
     for plan in plans:
         members = plan.members_a + plan.members_b
+        for m in members:
+            if m.offset:
+                return (f"{m.ref.name} is a QK-norm gain stored with offset {m.offset} (the gain is {m.offset} + w): "
+                        "the fused kernel scales the stored tensor; the torch backend writes (w + offset)·s − offset")
+            if not m.measured:
+                return (f"{m.ref.name} travels with its gain without entering its scale (a LayerNorm bias); the "
+                        "fused kernel measures every tensor it rescales")
         if len({m.ref.param.dtype for m in members}) > 1:
             return f"{plan.site.name}: the {plan.kind} tensors mix dtypes"
         sdt = {t.dtype for m in members for t, _ in state.get(id(m.ref.param), ())}

@@ -50,7 +50,8 @@ class GPTConfig:
         rope: ``"none"`` (learned absolute positions), ``"interleaved"`` or ``"split_half"``.
         rotary_dim: rotated coordinates per head (``None`` = ``head_dim``; partial rotary below).
         rope_base: RoPE frequency base.
-        qk_norm: RMS-normalise each query/key head (changes the gauge group; gaugeopt refuses it).
+        qk_norm: RMS-normalise each query/key head before RoPE (one gain vector per side shared by all
+            heads); the Q/K gauge then acts on the gains (docs/qk_norm.md).
         norm: ``"layernorm"`` (GPT-2) or ``"rmsnorm"`` (LLaMA).
         mlp: ``"gelu"`` (GPT-2, 4× width) or ``"swiglu"`` (LLaMA, ``mlp_hidden`` width).
         mlp_hidden: MLP hidden width (``None`` = 4·n_embd for GELU, ≈ 8/3·n_embd rounded to 64 for SwiGLU).

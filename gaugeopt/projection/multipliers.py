@@ -1,4 +1,4 @@
-"""The learnable-multiplier gauges as projection sectors: ``lrm_qk``, ``lrm_vo``, ``lrm_internal``.
+"""The diagonal gauges as projection sectors: ``lrm_qk``, ``lrm_vo``, ``lrm_internal``, ``qk_gain``.
 
 With LRM (docs/gaugefix.md) a layer's effective weight is ``diag(r)·W̄·diag(c)``, which adds
 gauges that move the *multipliers* (paper 002). Their generators, in the coordinates the
@@ -12,6 +12,12 @@ optimizer sees (``W̄, b̄, r, c``), and the closed forms used to project them o
     ``t = (Σ r_Q·du_rQ − Σ r_K·du_rK) / (Σ r_Q² + Σ r_K²)``.
 ``lrm_vo`` — ``r_V[j] ← r_V[j] ⊙ e``, ``c_O[i] ← c_O[i] ⊘ e`` per channel:
     ``t = (r_V·du_rV − Σ_i c_O[i]·du_cO[i]) / (r_V² + Σ_i c_O[i]²)``.
+``qk_gain`` — on a QK-norm site (docs/qk_norm.md) ``g_q ← g_q ⊙ δ``, ``g_k ← g_k ⊘ δ`` (the
+    LayerNorm biases ``β_q``, ``β_k`` alike), one ``δ`` per RoPE plane when the norm acts before
+    RoPE, per channel otherwise; per layer for a gain vector shared by every head, per KV group
+    for per-head gains. The same closed form as ``lrm_qk`` with ``r`` replaced by the gains (and
+    biases): ``t = (Σ g̃_q·du_gq + Σ β_q·du_βq − Σ g̃_k·du_gk − Σ β_k·du_βk) / (Σ g̃_q² + Σ β_q² + Σ g̃_k² + Σ β_k²)``,
+    ``g̃ = g + offset`` (Gemma stores ``w`` with gain ``1 + w``; ``δw = (1 + w)·δ``).
 ``lrm_internal`` — inside every LRM layer and multiplier block, ``r ← r⊙t``,
     ``W̄ ← W̄ ⊘ (t⊗s)``, ``b̄ ← b̄ ⊘ t``, ``c ← c⊙s``. Row generator ``ρ``:
     ``(δr_ρ, δW̄_ρ,:, δb̄_ρ) = (r_ρ, −W̄_ρ,:, −b̄_ρ)``; column generator ``κ``:
@@ -62,17 +68,33 @@ def _safe_inv(den: torch.Tensor, rtol: float, scale: torch.Tensor | None = None)
 
 
 class DiagonalSector:
-    """``lrm_qk`` or ``lrm_vo`` over the sites that carry the multipliers: the ``mult`` of each
-    side of their :class:`~gaugeopt.structure.pair.GaugePair`."""
+    """A diagonal gauge between the two sides of each site's pair, one closed-form coefficient per
+    group and slot: ``lrm_qk``/``lrm_vo`` (the ``mult`` of each side of the ``"qk"``/``"vo"``
+    :class:`~gaugeopt.structure.pair.GaugePair`, sites with multipliers) and ``qk_gain`` (the
+    ``"qk_gain"`` pair of QK-norm sites: gains ``g + offset`` and the LayerNorm biases that travel
+    with them). A QK-norm site has no ``lrm_qk`` sector: rescaling ``r_Q`` against ``r_K`` changes
+    its function.
+
+    Generator of group ``j`` and slot ``π`` on every tensor ``x`` of side a: ``δx = x̃ ⊙ 1_π``, of
+    side b: ``δx = −x̃ ⊙ 1_π`` (``x̃ = x + offset``); its coefficient in ``u`` is
+    ``t = (Σ_a x̃·u − Σ_b x̃·u) / Σ_{a,b} x̃²`` over the slot's entries.
+    """
 
     def __init__(self, kind: str, sites: list[AttentionSite]) -> None:
         self.name = kind
-        pairs = [s.pair("qk" if kind == "lrm_qk" else "vo") for s in sites]
-        self.pairs = [p for p in pairs if p.has_multipliers]
+        if kind == "qk_gain":
+            self.mode = "gain"
+            self.pairs = [s.pair("qk_gain") for s in sites if s.qk_norm is not None]
+        else:
+            self.mode = "lrm"
+            pk = "qk" if kind == "lrm_qk" else "vo"
+            pairs = [s.pair(pk) for s in sites if not (pk == "qk" and s.qk_norm is not None)]
+            self.pairs = [p for p in pairs if p.has_multipliers]
+        self.members = [(p.a.members(self.mode), p.b.members(self.mode)) for p in self.pairs]
         self.pids = [plane_index(p.rope, p.width) for p in self.pairs]  # one id per channel without RoPE
 
     def param_names(self) -> list[str]:
-        return [r.name for p in self.pairs for r in (p.a.mult, p.b.mult)]
+        return list(dict.fromkeys(m.ref.name for ma, mb in self.members for m in ma + mb))
 
     def units(self) -> list[str]:
         return [p.site.name for p in self.pairs]
@@ -83,41 +105,49 @@ class DiagonalSector:
 
     def prepare(self, ctx):
         prep = []
-        for pair, pid in zip(self.pairs, self.pids):
-            a, b = pair.a.grouped(ctx.weight(pair.a.mult)), pair.b.grouped(ctx.weight(pair.b.mult))  # (G, k, width)
+        for pair, (ma, mb), pid in zip(self.pairs, self.members, self.pids):
             pid = pid.to(ctx.device)
             n_ids = int(pid.max()) + 1
-            den = torch.zeros(pair.groups, n_ids, dtype=a.dtype, device=a.device)
-            den.index_add_(1, pid, (a * a).sum(1) + (b * b).sum(1))
-            prep.append((pair, pid, n_ids, a, b, _safe_inv(den, ctx.rtol)))
+            vals = []  # (member, sign, x̃ (G, k, width))
+            for side, members, sign in ((pair.a, ma, 1.0), (pair.b, mb, -1.0)):
+                for m in members:
+                    x = side.grouped(ctx.weight(m.ref))
+                    vals.append((m, side, sign, x + m.offset if m.offset else x))
+            x0 = vals[0][3]
+            den = torch.zeros(pair.groups, n_ids, dtype=x0.dtype, device=x0.device)
+            for _, _, _, x in vals:
+                den.index_add_(1, pid, (x * x).sum(1))
+            prep.append((pair, pid, n_ids, vals, _safe_inv(den, ctx.rtol)))
         return prep
 
     @staticmethod
-    def _write(pair, out, va, vb) -> None:
-        out(pair.a.mult).add_(va.reshape(out(pair.a.mult).shape))
-        out(pair.b.mult).add_(vb.reshape(out(pair.b.mult).shape))
+    def _write(out, vals, t, pid) -> None:
+        for m, side, sign, x in vals:
+            target = out(m.ref)
+            target.add_((sign * t[:, None, pid] * x).reshape(target.shape))
 
     def apply(self, ctx, prep, u, out, record=None) -> None:
-        for pair, pid, n_ids, a, b, inv in prep:
-            da, db = pair.a.grouped(u(pair.a.mult)), pair.b.grouped(u(pair.b.mult))
+        for pair, pid, n_ids, vals, inv in prep:
             num = torch.zeros_like(inv)
-            num.index_add_(1, pid, (a * da).sum(1) - (b * db).sum(1))
+            usq = torch.zeros((), dtype=inv.dtype, device=inv.device)
+            for m, side, sign, x in vals:
+                du = side.grouped(u(m.ref))
+                num.index_add_(1, pid, sign * (x * du).sum(1))
+                usq = usq + du.square().sum()
             t = num * inv  # (groups, n_ids)
-            va, vb = t[:, None, pid] * a, -t[:, None, pid] * b
-            self._write(pair, out, va, vb)
+            self._write(out, vals, t, pid)
             if record is not None:
-                record(self.name, pair.site.name, t, va.square().sum() + vb.square().sum(),
-                       da.square().sum() + db.square().sum())
+                vsq = sum((t[:, None, pid] * x).square().sum() for _, _, _, x in vals)
+                record(self.name, pair.site.name, t, vsq, usq)
 
     def basis(self, ctx, prep):
-        for pair, pid, n_ids, a, b, inv in prep:
+        for pair, pid, n_ids, vals, inv in prep:
             for j in range(pair.groups):
                 for m in range(n_ids):
-                    t = torch.zeros(pair.groups, n_ids, dtype=a.dtype, device=a.device)
+                    t = torch.zeros(pair.groups, n_ids, dtype=inv.dtype, device=inv.device)
                     t[j, m] = 1.0
-                    va, vb = t[:, None, pid] * a, -t[:, None, pid] * b
                     yield f"{self.name}:{pair.site.name}:group{j}:set{m}", (
-                        lambda out, pair=pair, va=va, vb=vb: self._write(pair, out, va, vb))
+                        lambda out, vals=vals, t=t, pid=pid: self._write(out, vals, t, pid))
 
 
 @dataclass

@@ -20,14 +20,23 @@ sector            generators (per KV group / channel / block)      solver
 ``lrm_qk``        ``r_Q`` vs ``r_K`` per channel / RoPE plane       closed form
 ``lrm_vo``        ``r_V`` vs ``c_O`` per channel                    closed form
 ``lrm_internal``  ``r·W̄·c`` rescalings of every LRM layer           Schur complement (dense)
+``qk_gain``       QK-norm gains ``g_q`` vs ``g_k`` per RoPE plane      closed form
+                  (or channel), per layer or KV group
 ================  ==============================================  ==============================
+
+**QK-norm sites** (``site.qk_norm``) have no ``qk`` and no ``lrm_qk`` sector — neither is a
+symmetry once queries and keys are normalised — and a ``qk_gain`` sector instead
+(docs/qk_norm.md); their ``vo``, ``lrm_vo`` and ``lrm_internal`` sectors are unchanged. ``"auto"``
+picks, for each site, what it has. For a LayerNorm QK-norm (timm) the gain gauge is what is
+projected; the further directions a LayerNorm leaves invisible (its key bias, a query-bias shift,
+the mean direction of each head's rows, one centred rotation) are not.
 
 GQA ties one ``X`` per KV group to all its query heads; biases travel with their rows;
 under LRM the dense gauges act through ``W̄`` (:mod:`gaugeopt.projection.dense`). With learnable
 multipliers and GQA the ``qk``/``vo`` normal equations are solved by preconditioned CG to the
 relative residual ``cg_tol``; everything else is direct.
 
-**Joint projection.** ``qk``, ``vo``, ``lrm_qk`` and ``lrm_vo`` touch disjoint parameter
+**Joint projection.** ``qk``, ``vo``, ``lrm_qk``, ``lrm_vo`` and ``qk_gain`` touch disjoint parameter
 entries, so their spans are mutually orthogonal and projecting them one after the other is
 exactly the projection onto their sum. ``lrm_internal`` overlaps all of them (it moves ``W̄``
 and the multipliers). Projecting off the sum of the requested sectors then solves for the two
@@ -91,7 +100,7 @@ from gaugeopt.projection.sylvester import default_rtol
 
 __all__ = ["SECTORS", "MODES", "GaugeProjector", "Decomposition", "horizontal"]
 
-SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal")
+SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain")
 MODES = ("exact", "approx")
 _OVERLAPPING = ("lrm_internal",)
 _REDUNDANT = {"lrm_qk": "qk", "lrm_vo": "vo"}  # with lrm_internal present, the key's span lies in the value's + internal
@@ -221,11 +230,12 @@ class GaugeProjector:
             owners = {id(ref.owner) for s in self.sites for _, ref in s.refs()}
             lrm_modules = [(n, m) for n, m in lrm_modules if id(m) in owners or any(id(p) in owners for p in m.parameters())]
         impl = {
-            "qk": DenseSector("qk", self.sites),
+            "qk": DenseSector("qk", [s for s in self.sites if s.qk_norm is None]),
             "vo": DenseSector("vo", self.sites),
             "lrm_qk": DiagonalSector("lrm_qk", self.sites),
             "lrm_vo": DiagonalSector("lrm_vo", self.sites),
             "lrm_internal": InternalSector(lrm_modules, pname),
+            "qk_gain": DiagonalSector("qk_gain", self.sites),
         }
         available = tuple(k for k in SECTORS if impl[k].units())
         if sectors == "auto":
@@ -239,7 +249,8 @@ class GaugeProjector:
             if missing:
                 raise GaugeError(
                     f"GaugeProjector: sectors {missing} are not present in this model (it has {available}); "
-                    "the lrm_* sectors need learnable multipliers (gaugeopt.apply_lrm)"
+                    "the lrm_* sectors need learnable multipliers (gaugeopt.apply_lrm); a QK-norm layer has "
+                    "'qk_gain' instead of 'qk' and 'lrm_qk' (docs/qk_norm.md)"
                 )
             chosen = tuple(dict.fromkeys(chosen))
         self.sectors: tuple[str, ...] = chosen

@@ -12,12 +12,19 @@ action                    effect
 :func:`scale_qk_multipliers`   ``r_Q[i] ← r_Q[i] ⊙ δ``, ``r_K[j] ← r_K[j] ⊘ δ`` (δ constant per RoPE plane)
 :func:`scale_vo_multipliers`   ``r_V[j] ← r_V[j] ⊙ e``, ``c_O[i] ← c_O[i] ⊘ e``
 :func:`rescale_lrm_internal`   ``r ← r ⊙ t``, ``W̄ ← W̄ ⊘ (t ⊗ s)``, ``c ← c ⊙ s`` inside one LRM layer
+:func:`scale_qk_gains`    QK-norm: ``g_q ← g_q ⊙ d``, ``g_k ← g_k ⊘ d`` (LayerNorm biases alike; ``d``
+                          constant per RoPE plane when the norm acts before RoPE)
 ========================  =================================================================
+
+On a QK-norm site (``site.qk_norm``, docs/qk_norm.md) :func:`act_qk` and
+:func:`scale_qk_multipliers` are *not* symmetries; its Q/K gauge is :func:`scale_qk_gains`, and
+:func:`permute_heads` moves per-head gains with their heads.
 
 :func:`random_gauge_transform` draws well-conditioned elements of any of these; and
 :func:`invalid_gauge_transform` applies the paper's negative controls (asymmetric Q/K, wrong
-inverse, V/O mismatch, cross-head mixing, a general ``GL(d_k)`` under RoPE), which must
-change the function. :func:`relative_change` measures either.
+inverse, V/O mismatch, cross-head mixing, a general ``GL(d_k)`` under RoPE) and those of QK-norm
+(the plain-attention Q/K gauge under the norm, per-head scalars on ``W_Q``, gain rescales that
+break the rule), which must change the function. :func:`relative_change` measures either.
 
 Example:
     >>> import copy, torch, gaugeopt
@@ -52,6 +59,7 @@ __all__ = [
     "scale_qk_multipliers",
     "scale_vo_multipliers",
     "rescale_lrm_internal",
+    "scale_qk_gains",
     "random_gauge_transform",
     "invalid_gauge_transform",
     "apply_valid",
@@ -60,10 +68,15 @@ __all__ = [
     "relative_change",
     "VALID_KINDS",
     "INVALID_KINDS",
+    "QK_NORM_INVALID_KINDS",
+    "applicable_invalid_kinds",
 ]
 
-VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal")
-INVALID_KINDS = ("asymmetric_qk", "wrong_inverse", "vo_mismatch", "cross_head", "gl_under_rope")
+VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain")
+INVALID_KINDS = ("asymmetric_qk", "wrong_inverse", "vo_mismatch", "cross_head", "gl_under_rope",
+                 "qk_under_norm", "head_scalar", "gain_off_plane", "gain_untied", "gain_without_bias")
+QK_NORM_INVALID_KINDS = INVALID_KINDS[5:]  # controls that need a QK-norm site
+_NOT_UNDER_NORM = ("qk", "lrm_qk")  # valid kinds that a QK-norm site does not have
 
 
 def relative_change(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -74,7 +87,7 @@ def relative_change(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 def _per_query(site: AttentionSite, x: torch.Tensor) -> torch.Tensor:
     """Expand a per-KV-group tensor ``(h_kv, ...)`` to per query head ``(h, ...)``."""
-    return site.pair("qk").a.expand(x)
+    return site.per_query(x)
 
 
 def _check_commutes(site: AttentionSite, A: torch.Tensor, what: str = "A") -> None:
@@ -172,6 +185,12 @@ def permute_heads(site: AttentionSite, kv_perm: torch.Tensor, q_perm: torch.Tens
     if site.o.col_mult is not None:
         c = site.o.col_mult.get()
         c.copy_(c[q_perm])
+    if site.qk_norm is not None and site.qk_norm.per_head:  # per-head gains move with their heads
+        n_ = site.qk_norm
+        for ref, perm in ((n_.q_gain, q_perm), (n_.q_bias, q_perm), (n_.k_gain, kv_perm), (n_.k_bias, kv_perm)):
+            if ref is not None:
+                v = ref.get()
+                v.copy_(v[perm])
 
 
 def _require_mults(site: AttentionSite, roles: Iterable[tuple[str, str]]) -> None:
@@ -190,16 +209,53 @@ def scale_qk_multipliers(site: AttentionSite, delta: torch.Tensor, *, check: boo
     """
     _require_mults(site, (("q", "row_mult"), ("k", "row_mult")))
     _expect(delta, (site.h_kv, site.d_k), "delta")
-    if check and site.rope.active:
-        first, second = (list(c) for c in zip(*site.rope.planes(site.d_k)))
-        if not torch.equal(delta[:, first], delta[:, second]):
-            raise GaugeError(
-                f"{site.name}: a per-channel Q/K multiplier scale must be equal on both coordinates of each RoPE "
-                "plane; otherwise the rescaled pair no longer commutes with the rotation"
-            )
+    if site.qk_norm is not None:
+        raise GaugeError(
+            f"{site.name} normalises queries and keys (QK-norm): rescaling r_Q against r_K changes its function (the "
+            "norm absorbs only a rescale uniform over a head, and only up to its epsilon); its Q/K gauge acts on the "
+            "norm's gains (scale_qk_gains, kind 'qk_gain')"
+        )
+    if check:
+        _check_plane_constant(site, site.rope, delta, "a per-channel Q/K multiplier scale")
     rq, rk = site.q.row_mult.get(), site.k.row_mult.get()
     rq.mul_(_per_query(site, delta.to(rq)))
     rk.div_(delta.to(rk))
+
+
+def _check_plane_constant(site: AttentionSite, rope, delta: torch.Tensor, what: str) -> None:
+    if not rope.active:
+        return
+    first, second = (list(c) for c in zip(*rope.planes(site.d_k)))
+    if not torch.equal(delta[:, first], delta[:, second]):
+        raise GaugeError(
+            f"{site.name}: {what} must be equal on both coordinates of each RoPE plane; otherwise the rescaled "
+            "pair no longer commutes with the rotation"
+        )
+
+
+@torch.no_grad()
+def scale_qk_gains(site: AttentionSite, delta: torch.Tensor, *, check: bool = True, move_bias: bool = True) -> None:
+    """The gain gauge of a QK-norm site: ``g_q ← g_q ⊙ d``, ``g_k ← g_k ⊘ d`` (docs/qk_norm.md).
+
+    ``delta: (groups, d_k)`` with ``groups`` of the site's ``"qk_gain"`` pair (1 for a gain vector
+    shared by every head; ``h_kv`` for per-head gains, each KV group's factor acting on all its
+    query heads). A gain stored with an offset (Gemma's ``1 + w``) becomes ``(1 + w)·d − 1``; a
+    LayerNorm bias moves with its gain (``move_bias=False`` leaves it: an invalid control).
+
+    Args:
+        check: refuse a ``d`` that is not constant on each RoPE plane when the norm acts before RoPE.
+    """
+    pair = site.pair("qk_gain")
+    _expect(delta, (pair.groups, site.d_k), "delta")
+    if check:
+        _check_plane_constant(site, pair.rope, delta, "a QK-norm gain factor")
+    for side, f in ((pair.a, delta), (pair.b, 1.0 / delta)):
+        per_row = side.expand(f)
+        for m in side.members("gain"):
+            if not (move_bias or m.measured):
+                continue
+            v = m.ref.get()
+            v.copy_((v + m.offset) * per_row.to(v) - m.offset if m.offset else v * per_row.to(v))
 
 
 @torch.no_grad()
@@ -263,6 +319,20 @@ def _log_uniform(shape, scale, generator, dtype) -> torch.Tensor:
     return torch.exp((torch.rand(shape, generator=generator, dtype=dtype) * 2 - 1) * scale)
 
 
+def _site_kinds(site: AttentionSite, kinds: tuple[str, ...], explicit: bool, what: str) -> tuple[str, ...]:
+    """The kinds ``site`` has; an explicitly requested kind it lacks is refused with the alternative."""
+    if site.qk_norm is None:
+        lacking = {"qk_gain": "it has no QK-norm; its Q/K gauge is kind 'qk'"}
+    else:
+        why = ("it normalises queries and keys (QK-norm): {} is not a symmetry there; its Q/K gauge is kind "
+               "'qk_gain' (the norm's gains, docs/qk_norm.md)")
+        lacking = {"qk": why.format("GL(d_k) on W_Q/W_K"), "lrm_qk": why.format("rescaling r_Q against r_K")}
+    bad = [k for k in kinds if k in lacking]
+    if bad and explicit:
+        raise GaugeError(f"{what}: kind {bad[0]!r} does not apply to {site.name}: {lacking[bad[0]]}; or pass kinds='all'")
+    return tuple(k for k in kinds if k not in bad)
+
+
 def random_gauge_transform(
     model: nn.Module,
     kinds: Sequence[str] | str = ("qk", "vo", "perm"),
@@ -284,7 +354,9 @@ def random_gauge_transform(
             ``"vo"`` (``GL(d_v)``), ``"perm"`` (head permutations, in the layers whose heads may be
             permuted: not under ALiBi or T5's relative bias), ``"lrm_qk"``, ``"lrm_vo"``
             (diagonal multiplier gauges), ``"lrm_internal"`` (every LRM layer's internal
-            rescaling), or ``"all"`` for every kind the model has.
+            rescaling), ``"qk_gain"`` (a QK-norm site's gain gauge, with random signs), or ``"all"``
+            for every kind each site has. A QK-norm site has ``"qk_gain"`` and neither ``"qk"`` nor
+            ``"lrm_qk"``; asking a site for a kind it lacks raises :class:`GaugeError`.
         generator: a ``torch.Generator`` or an integer seed, for reproducibility.
         sites: attention sites (default ``find_attention(model)``).
 
@@ -295,16 +367,18 @@ def random_gauge_transform(
     sites = _sites(model, sites)
     require_certified(sites, "random_gauge_transform")
     has_lrm = any(isinstance(m, LRMLinear) for m in model.modules())
+    explicit = kinds != "all"
     if kinds == "all":
-        kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm")
+        kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm", "qk_gain")
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     bad = [k for k in kinds if k not in VALID_KINDS]
     if bad:
         raise GaugeError(f"random_gauge_transform: unknown kinds {bad}; valid kinds are {VALID_KINDS} or 'all'")
     g = generator
     for site in sites:
+        here = _site_kinds(site, kinds, explicit, "random_gauge_transform")
         for kind in _SITE_ORDER:
-            if kind in kinds and not (kind == "perm" and site.fixed_head_order):
+            if kind in here and not (kind == "perm" and site.fixed_head_order):
                 apply_valid(site, kind, g, log_scale=log_scale)
     if "lrm_internal" in kinds:
         if not has_lrm:
@@ -316,13 +390,13 @@ def random_gauge_transform(
 
 
 # the per-site kinds, in the order random_gauge_transform applies them
-_SITE_ORDER = ("lrm_qk", "lrm_vo", "qk", "vo", "perm")
+_SITE_ORDER = ("lrm_qk", "lrm_vo", "qk", "qk_gain", "vo", "perm")
 
 
 def apply_valid(site: AttentionSite, kind: str, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
-    """Apply one random valid element of the per-site gauge ``kind`` (``"qk"``, ``"vo"``, ``"perm"``,
-    ``"lrm_qk"``, ``"lrm_vo"``) to ``site``, in place (no certificate check: the building block of
-    :func:`random_gauge_transform` and :func:`gaugeopt.certify`)."""
+    """Apply one random valid element of the per-site gauge ``kind`` (``"qk"``, ``"qk_gain"``,
+    ``"vo"``, ``"perm"``, ``"lrm_qk"``, ``"lrm_vo"``) to ``site``, in place (no certificate check:
+    the building block of :func:`random_gauge_transform` and :func:`gaugeopt.certify`)."""
     g, dtype = generator, torch.float64
     if kind == "lrm_qk":
         pid = plane_index(site.rope, site.d_k)
@@ -332,6 +406,13 @@ def apply_valid(site: AttentionSite, kind: str, generator: torch.Generator | Non
         scale_vo_multipliers(site, _log_uniform((site.h_kv, site.d_v), log_scale, g, dtype))
     elif kind == "qk":
         act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
+    elif kind == "qk_gain":
+        pair = site.pair("qk_gain")
+        pid = plane_index(pair.rope, site.d_k)
+        n_slots = int(pid.max()) + 1
+        sign = torch.where(torch.rand((pair.groups, n_slots), generator=g) < 0.5, -1.0, 1.0).to(dtype)
+        per_slot = sign * _log_uniform((pair.groups, n_slots), log_scale, g, dtype)
+        scale_qk_gains(site, per_slot[:, pid])
     elif kind == "vo":
         act_vo(site, random_well_conditioned(site.h_kv, site.d_v, log_scale=log_scale, generator=g))
     elif kind == "perm":
@@ -350,6 +431,43 @@ def random_lrm_internal(module: LRMLinear, generator: torch.Generator | None = N
     rescale_lrm_internal(module, t, s)
 
 
+def applicable_invalid_kinds(sites: Sequence[AttentionSite]) -> tuple[str, ...]:
+    """The :data:`INVALID_KINDS` that apply to these sites (each needs some feature, see
+    :func:`invalid_gauge_transform`)."""
+    out = []
+    for kind in INVALID_KINDS:
+        try:
+            _invalid_sites(sites, kind)
+        except GaugeError:
+            continue
+        out.append(kind)
+    return tuple(out)
+
+
+def _invalid_sites(sites: Sequence[AttentionSite], kind: str) -> list[AttentionSite]:
+    """The sites a control acts on; raises when it applies to none of them."""
+    need = {
+        "gl_under_rope": (lambda s: s.rope.active, "a model with RoPE"),
+        "cross_head": (lambda s: s.h_kv >= 2, "at least two KV heads"),
+        "qk_under_norm": (lambda s: s.qk_norm is not None, "a QK-norm model"),
+        "head_scalar": (lambda s: s.qk_norm is not None and (s.qk_norm.eps > 0 or s.qk_norm.scope == "full"),
+                        "a QK-norm model with eps > 0 (with eps = 0 a per-head scalar is a symmetry of a per-head norm)"),
+        "gain_off_plane": (lambda s: s.qk_norm is not None and s.qk_norm.before_rope and s.rope.active,
+                           "a QK-norm model whose norm acts before RoPE"),
+        "gain_untied": (lambda s: s.qk_norm is not None and s.qk_norm.per_head and s.n_rep > 1,
+                        "a QK-norm model with per-head gains and GQA"),
+        "gain_without_bias": (lambda s: s.qk_norm is not None and s.qk_norm.q_bias is not None,
+                              "a QK-norm model with a LayerNorm bias"),
+    }
+    if kind not in need:
+        return list(sites)
+    test, what = need[kind]
+    chosen = [s for s in sites if test(s)]
+    if not chosen:
+        raise GaugeError(f"invalid_gauge_transform: {kind!r} needs {what}")
+    return chosen
+
+
 def invalid_gauge_transform(
     model: nn.Module,
     kind: str,
@@ -358,27 +476,37 @@ def invalid_gauge_transform(
     sites: Sequence[AttentionSite] | None = None,
     log_scale: float = 0.5,
 ) -> nn.Module:
-    """Apply one of the negative controls to every attention layer, in place (paper 000, Table 7).
+    """Apply one of the negative controls to every attention layer it applies to, in place
+    (paper 000, Table 7; docs/qk_norm.md for the QK-norm ones).
 
-    ===================  ===============================================================
-    ``kind``             transformation (each must change the function)
-    ===================  ===============================================================
-    ``asymmetric_qk``    ``W_Q ← Aᵀ W_Q``, ``W_K ← B⁻¹ W_K`` with an independent ``B``
-    ``wrong_inverse``    ``W_Q ← Aᵀ W_Q``, ``W_K ← Aᵀ W_K`` (transpose instead of inverse)
-    ``vo_mismatch``      ``W_V ← Cᵀ W_V``, ``W_O ← W_O D⁻ᵀ`` with an independent ``D``
-    ``cross_head``       one ``M ∈ GL(h_kv·d_k)`` mixing the KV groups, ``Mᵀ`` on Q and ``M⁻¹`` on K
-    ``gl_under_rope``    a general ``A ∈ GL(d_k)`` (outside the RoPE commutant) with its true inverse
-    ===================  ===============================================================
+    =====================  ===============================================================
+    ``kind``               transformation (each must change the function)
+    =====================  ===============================================================
+    ``asymmetric_qk``      ``W_Q ← Aᵀ W_Q``, ``W_K ← B⁻¹ W_K`` with an independent ``B``
+    ``wrong_inverse``      ``W_Q ← Aᵀ W_Q``, ``W_K ← Aᵀ W_K`` (transpose instead of inverse)
+    ``vo_mismatch``        ``W_V ← Cᵀ W_V``, ``W_O ← W_O D⁻ᵀ`` with an independent ``D``
+    ``cross_head``         one ``M ∈ GL(h_kv·d_k)`` mixing the KV groups, ``Mᵀ`` on Q and ``M⁻¹`` on K
+    ``gl_under_rope``      a general ``A ∈ GL(d_k)`` (outside the RoPE commutant) with its true inverse
+    ``qk_under_norm``      QK-norm sites: the plain-attention Q/K gauge, ``A`` in the RoPE commutant
+                           (all of ``GL(d_k)`` without RoPE) with its true inverse, on ``W_Q``/``W_K``
+    ``head_scalar``        QK-norm sites with ``eps > 0``: ``W_Q[i], b_Q[i] ← c_i·(W_Q[i], b_Q[i])`` with
+                           ``c_i = 10^U(−2, −1)`` per query head (a symmetry only at ``eps = 0``,
+                           and there only for a per-head norm)
+    ``gain_off_plane``     QK-norm before RoPE: the gain rescale with a factor per *channel*,
+                           not constant on the RoPE planes
+    ``gain_untied``        per-head gains with GQA: a factor per *query head*, the key gain
+                           divided by the factor of its group's first query head
+    ``gain_without_bias``  LayerNorm QK-norm: the gain rescale with the biases left in place
+    =====================  ===============================================================
+
+    Raises:
+        GaugeError: the control applies to no site of the model (e.g. ``gain_off_plane`` without RoPE).
     """
     if kind not in INVALID_KINDS:
         raise GaugeError(f"invalid_gauge_transform: kind={kind!r} is not one of {INVALID_KINDS}")
-    sites = _sites(model, sites)
+    sites = _invalid_sites(_sites(model, sites), kind)
     require_certified(sites, "invalid_gauge_transform")
     g = as_generator(generator, "invalid_gauge_transform")
-    if kind == "gl_under_rope" and not any(s.rope.active for s in sites):
-        raise GaugeError("invalid_gauge_transform: 'gl_under_rope' needs a model with RoPE")
-    if kind == "cross_head" and all(s.h_kv == 1 for s in sites):
-        raise GaugeError("invalid_gauge_transform: 'cross_head' needs at least two KV heads")
     for site in sites:
         apply_invalid(site, kind, g, log_scale=log_scale)
     return model
@@ -387,9 +515,15 @@ def invalid_gauge_transform(
 def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
     """Apply the negative control ``kind`` (:data:`INVALID_KINDS`) to one site, in place; a control
     that does not apply to the site (``gl_under_rope`` without RoPE, ``cross_head`` with one KV
-    head) leaves it unchanged."""
+    head, a QK-norm control on plain attention) leaves it unchanged."""
     g = generator
     rwc = lambda n, d: random_well_conditioned(n, d, log_scale=log_scale, generator=g)  # noqa: E731
+    if kind not in INVALID_KINDS:
+        raise GaugeError(f"apply_invalid: kind={kind!r} is not one of {INVALID_KINDS}")
+    try:
+        _invalid_sites([site], kind)
+    except GaugeError:
+        return
     if kind == "asymmetric_qk":
         A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
         B = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
@@ -400,12 +534,35 @@ def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | N
     elif kind == "vo_mismatch":
         act_vo(site, rwc(site.h_kv, site.d_v), D=rwc(site.h_kv, site.d_v))
     elif kind == "gl_under_rope":
-        if site.rope.active:
-            act_qk(site, rwc(site.h_kv, site.d_k), check=False)
+        act_qk(site, rwc(site.h_kv, site.d_k), check=False)
     elif kind == "cross_head":
         _mix_heads(site, rwc(1, site.h_kv * site.d_k)[0])
-    else:
-        raise GaugeError(f"apply_invalid: kind={kind!r} is not one of {INVALID_KINDS}")
+    elif kind == "qk_under_norm":
+        act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
+    elif kind == "head_scalar":
+        c = 10.0 ** (torch.rand(site.h, generator=g, dtype=torch.float64) - 2.0)  # in [0.01, 0.1)
+        wq, bq = site.effective("q")
+        site.set_effective("q", wq * c[:, None, None].to(wq), None if bq is None else bq * c[:, None].to(bq))
+    elif kind in ("gain_off_plane", "gain_without_bias"):
+        pair = site.pair("qk_gain")
+        delta = _log_uniform((pair.groups, site.d_k), log_scale, g, torch.float64)
+        if kind == "gain_without_bias":
+            pid = plane_index(pair.rope, site.d_k)
+            delta = delta[:, pid]  # a valid factor: only the bias is wrong
+        scale_qk_gains(site, delta, check=False, move_bias=kind != "gain_without_bias")
+    elif kind == "gain_untied":
+        _untied_gains(site, _log_uniform((site.h, site.d_k), log_scale, g, torch.float64))
+
+
+@torch.no_grad()
+def _untied_gains(site: AttentionSite, per_head: torch.Tensor) -> None:
+    """``g_q[i] ← g_q[i] ⊙ d_i`` for every query head, ``g_k[j] ← g_k[j] ⊘ d_{first head of j}``."""
+    pid = plane_index(site.pair("qk_gain").rope, site.d_k)
+    d = per_head[:, pid]
+    n = site.qk_norm
+    for ref, f in ((n.q_gain, d), (n.k_gain, 1.0 / d[:: site.n_rep])):
+        v = ref.get()
+        v.copy_((v + n.gain_offset) * f.to(v) - n.gain_offset)
 
 
 @torch.no_grad()

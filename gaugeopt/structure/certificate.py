@@ -11,17 +11,18 @@ heads it has and how RoPE pairs its coordinates. :func:`certify` checks the clai
    a freshly initialised model's near-uniform attention would hide a wrong Q/K record, and a
    record that is right is right for every value of the weights) and compute its output ``y``;
 3. for every sector the record claims — ``qk`` (``GL(d_k)`` per KV group, in the RoPE
-   commutant), ``vo`` (``GL(d_v)``), ``perm`` (head permutations), and with learnable
+   commutant; with a QK-norm ``qk_gain``, the gain gauge of the norm), ``vo`` (``GL(d_v)``),
+   ``perm`` (head permutations), and with learnable
    multipliers ``lrm_qk``, ``lrm_vo``, ``lrm_internal`` — apply a random valid element to a
    fresh copy and require ``‖y' − y‖ / ‖y‖ ≤ 1e-10``;
 4. per sector, apply a *negative control* (an invalid element: a general ``GL(d_k)`` under RoPE
-   or an asymmetric Q/K pair, a mismatched V/O pair, query heads permuted alone, a one-sided
+   or an asymmetric Q/K pair, the plain Q/K gauge under a QK-norm, a mismatched V/O pair, query heads permuted alone, a one-sided
    multiplier scale) and require a change ``≥ 1e-3``, so that the check has power.
 
 A layer whose module computes part of the attention in float32 even in float64 (recorded in
 :attr:`~gaugeopt.AttentionSite.float32_steps`, e.g. torchtitan's RoPE, GPT-J's eager scores)
 gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries and keys (``qk``,
-``lrm_qk``); the controls still need ``1e-3``. One layer is copied at a
+``qk_gain``, ``lrm_qk``, ``perm``); the controls still need ``1e-3``. One layer is copied at a
 time, so the cost is one float64 attention layer, whatever the model's size.
 
 A wrong record fails: a wrong head count or GQA map, a forgotten partial rotary or a missing
@@ -74,8 +75,9 @@ __all__ = [
 VALID_TOL = 1e-10
 FLOAT32_TOL = 1e-6
 CONTROL_MIN = 1e-3
-# The sectors that rescale or rotate queries and keys: the ones a float32 step in q·kᵀ or RoPE can see.
-_QK_SECTORS = ("qk", "lrm_qk")
+# The sectors that rescale, rotate or reorder queries and keys: the ones a float32 step in q·kᵀ, RoPE or a
+# Q/K norm (whose mean over all heads' channels a head permutation reorders) can see.
+_QK_SECTORS = ("qk", "qk_gain", "lrm_qk", "perm")
 # How closely a float64 rerun must reproduce the module's output in the model's own forward, by dtype.
 _RERUN_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -298,12 +300,10 @@ def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
 
 
 def claimed_sectors(site: AttentionSite) -> list[str]:
-    """The sectors a record claims: ``qk`` (unless it has a QK-norm), ``vo``, ``perm`` (more than
-    one head, and no per-head score term), and the multiplier sectors its learnable multipliers give it."""
-    out = []
-    if site.qk_norm is None:
-        out.append("qk")
-    out.append("vo")
+    """The sectors a record claims: ``qk`` — or ``qk_gain``, the norm's gain gauge, with a QK-norm —,
+    ``vo``, ``perm`` (more than one head, and no per-head score term), and the multiplier sectors its
+    learnable multipliers give it."""
+    out = ["qk" if site.qk_norm is None else "qk_gain", "vo"]
     if site.h > 1 and not site.fixed_head_order:
         out.append("perm")
     if site.qk_norm is None and site.q.row_mult is not None and site.k.row_mult is not None:
@@ -339,6 +339,9 @@ def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
         kind = "gl_under_rope" if site.rope.active else "asymmetric_qk"
         apply_invalid(site, kind, g)
         return kind
+    if sector == "qk_gain":  # the plain-attention Q/K gauge on W_Q/W_K, which the norm breaks
+        apply_invalid(site, "qk_under_norm", g)
+        return "qk_under_norm"
     if sector == "vo":
         apply_invalid(site, "vo_mismatch", g)
         return "vo_mismatch"

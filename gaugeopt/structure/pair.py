@@ -19,6 +19,16 @@ moves; biases of Q, K and V travel with their rows. Each side holds ``repeat`` h
 (``h / h_kv`` for Q and O, one for K and V), and its *channel axis* — the one a diagonal gauge
 scales — is the rows of a Q/K/V weight but the *columns* of the O weight: :attr:`PairSide.columns`.
 
+**QK-norm.** When queries and keys are normalised before they meet (``site.qk_norm``), ``GL(d_k)``
+on ``W_Q``/``W_K`` is no longer a symmetry and the Q/K gauge moves the norm's *gains* instead
+(docs/qk_norm.md): the pair ``"qk_gain"`` has side ``a`` = the query gains ``g_q`` (with the LayerNorm
+bias ``β_q``, which travels with them), side ``b`` = the key gains ``g_k`` (and ``β_k``), acted on by
+``g_q ← g_q ⊙ d``, ``g_k ← g_k ⊘ d`` — a diagonal action, constant on each RoPE plane when the norm
+acts before RoPE. One gain vector shared by every head gives ``groups = 1`` (one factor per slot for
+the whole layer); per-head gains give ``groups = h_kv`` (a factor tied across the query heads of a KV
+group, which share the key gain). A gain stored with an offset (Gemma: the gain is ``1 + w``) is
+scaled as ``w ← (1 + w)·d − 1``; :attr:`Member.offset` carries the ``1``.
+
 This module is the one place that says which tensor is on which side. GaugeFix and its drift
 metrics, optimizer-state transport, every projection sector, the kernels and canonical forms read
 it through :meth:`gaugeopt.AttentionSite.pair`.
@@ -53,24 +63,32 @@ from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 if TYPE_CHECKING:  # pragma: no cover
     from gaugeopt.structure.site import AttentionSite, TensorRef
 
-__all__ = ["PAIRS", "Member", "PairSide", "GaugePair"]
+__all__ = ["PAIRS", "Member", "PairSide", "GaugePair", "query_rows"]
 
-PAIRS = ("qk", "vo")
+PAIRS = ("qk", "vo", "qk_gain")
+SIDE_KINDS = ("rows", "gain")
 
 
 @dataclass(frozen=True)
 class Member:
     """One stored tensor of a side, in the side's channel layout.
 
-    ``role`` is ``"<proj>.<weight|bias|row_mult|col_mult>"``; ``columns`` says that the channels
-    are the second and third axes of the canonical view (the O weight ``(d, h, d_v)``) rather
+    ``role`` is ``"<proj>.<weight|bias|row_mult|col_mult|gain|norm_bias>"``; ``columns`` says that the
+    channels are the second and third axes of the canonical view (the O weight ``(d, h, d_v)``) rather
     than the first two (``(heads, width, ...)``). A per-channel factor is constant along the
-    remaining axis (:attr:`broadcast_axis`, ``None`` for 1-D biases and multipliers).
+    remaining axis (:attr:`broadcast_axis`, ``None`` for 1-D biases, multipliers and gains).
+
+    ``offset``: the value a factor scales is ``stored + offset`` (Gemma's gain ``1 + w``: offset 1), so
+    a rescale by ``s`` writes ``(stored + offset)·s − offset``; its derivative is still ``s``, so the
+    optimizer state transports as for ``offset = 0``. ``measured``: the tensor enters the side's scale
+    (a LayerNorm bias is rescaled with its gain but does not define the gain's scale).
     """
 
     role: str
     ref: "TensorRef"
     columns: bool = False
+    offset: float = 0.0
+    measured: bool = True
 
     @property
     def broadcast_axis(self) -> int | None:
@@ -87,11 +105,16 @@ class PairSide:
     Attributes:
         proj: ``"q"``, ``"k"``, ``"v"`` or ``"o"``.
         weight: the (base) weight; canonical ``(heads, width, m)``, or ``(m, heads, width)`` for O.
-        bias: the bias that travels with the rows (``None`` for O and for bias-free layers).
+            On a gain side (``kind="gain"``): the norm's gain, canonical ``(heads, width)``.
+        bias: the bias that travels with the rows (``None`` for O and for bias-free layers); on a
+            gain side the LayerNorm bias.
         mult: the LRM multiplier on the channel axis (``r`` for Q/K/V, ``c_O`` for O), or ``None``.
-        heads: heads on this side (``h`` for Q and O, ``h_kv`` for K and V).
-        repeat: heads of this side per KV group.
+        heads: rows of this side's tensors (``h`` for Q and O, ``h_kv`` for K and V; a gain vector
+            shared by every head is one row).
+        repeat: rows of this side per group of the pair.
         columns: the channel axis is the weight's input axis (the O side).
+        kind: ``"rows"`` (projection rows or columns) or ``"gain"`` (a QK-norm gain).
+        offset: the gain's stored offset (the gain is ``offset + stored``; Gemma: 1).
     """
 
     proj: str
@@ -101,17 +124,37 @@ class PairSide:
     heads: int
     repeat: int
     columns: bool
+    kind: str = "rows"
+    offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in SIDE_KINDS:
+            raise GaugeError(f"PairSide.kind={self.kind!r} is not one of {SIDE_KINDS}")
+        if self.offset and self.kind != "gain":
+            raise GaugeError(f"PairSide: an offset ({self.offset}) belongs to a QK-norm gain, not to projection rows")
 
     def members(self, mode: str) -> tuple[Member, ...]:
         """The tensors a diagonal gauge of this side rescales: ``"lrm"`` — the multiplier;
-        ``"plain"`` — the weight and the bias that travels with it."""
+        ``"plain"`` — the weight and the bias that travels with it; ``"gain"`` (a gain side) — the
+        gain, then the LayerNorm bias that travels with it (rescaled, not measured)."""
+        if self.kind == "gain" or mode == "gain":
+            if self.kind != "gain" or mode != "gain":
+                what = "a QK-norm gain" if self.kind == "gain" else f"the {self.proj.upper()} projection"
+                raise GaugeError(
+                    f"{self.weight.name}: mode={mode!r} does not apply to {what}; QK-norm gains take mode 'gain', "
+                    "projection rows 'plain' or 'lrm'"
+                )
+            out = (Member(f"{self.proj}.gain", self.weight, offset=self.offset),)
+            if self.bias is not None:
+                out += (Member(f"{self.proj}.norm_bias", self.bias, measured=False),)
+            return out
         if mode == "lrm":
             if self.mult is None:
                 raise GaugeError(f"{self.weight.name}: no learnable multiplier on the {self.proj.upper()} side")
             role = "col_mult" if self.columns else "row_mult"
             return (Member(f"{self.proj}.{role}", self.mult),)
         if mode != "plain":
-            raise GaugeError(f"mode={mode!r} is not 'lrm' or 'plain'")
+            raise GaugeError(f"mode={mode!r} is not 'lrm', 'plain' or 'gain'")
         out = (Member(f"{self.proj}.weight", self.weight, self.columns),)
         if self.bias is not None:
             out += (Member(f"{self.proj}.bias", self.bias),)
@@ -140,18 +183,28 @@ class PairSide:
         return per_group.repeat_interleave(self.repeat, dim=0) if self.repeat > 1 else per_group
 
 
+def query_rows(site: "AttentionSite") -> PairSide:
+    """The rows ``[W_Q[i] | b_Q[i]]`` of the query heads, grouped by KV group: side ``a`` of the ``"qk"``
+    pair, and how tools that read the query projection (Gram matrices, canonical metrics) group it
+    whether or not the site normalises queries (a QK-norm site has no ``"qk"`` pair)."""
+    q = site.q
+    return PairSide("q", q.weight, q.bias, q.row_mult, site.h, site.n_rep, False)
+
+
 @dataclass(frozen=True)
 class GaugePair:
-    """The ``qk`` or ``vo`` pair of one attention site (see the module docstring).
+    """The ``qk``, ``vo`` or ``qk_gain`` pair of one attention site (see the module docstring).
 
     Attributes:
-        kind: ``"qk"`` or ``"vo"``.
+        kind: ``"qk"``, ``"vo"`` or ``"qk_gain"``.
         site: the :class:`~gaugeopt.AttentionSite`.
-        a, b: the sides (Q and K, or V and O).
+        a, b: the sides (Q and K, V and O, or the query and key gains).
         width: channels per head (``d_k`` or ``d_v``).
-        rope: the rotation the group must commute with (the site's RoPE for ``qk``, none for ``vo``).
-        groups: independent group elements (``h_kv``: one per KV group); side ``a`` holds
-            ``groups · a.repeat`` heads, side ``b`` ``groups · b.repeat``.
+        rope: the rotation the group must commute with (the site's RoPE for ``qk``, none for ``vo``;
+            for ``qk_gain`` the site's RoPE when the norm acts before it, none when after).
+        groups: independent group elements (``h_kv``: one per KV group; ``1`` for a gain vector
+            shared by every head); side ``a`` holds ``groups · a.repeat`` rows, side ``b``
+            ``groups · b.repeat``.
     """
 
     kind: str
@@ -167,6 +220,11 @@ class GaugePair:
         """Both sides carry a learnable multiplier on their channel axis."""
         return self.a.mult is not None and self.b.mult is not None
 
+    @property
+    def query_heads_per_group(self) -> int:
+        """Query heads one group element acts on (all ``h`` for a gain vector shared by every head)."""
+        return self.site.h // self.groups if self.kind != "vo" else 1
+
     def sides(self) -> tuple[PairSide, PairSide]:
         return self.a, self.b
 
@@ -178,11 +236,13 @@ class GaugePair:
                 f"{site.name} normalises queries and keys per head (QK-norm, {site.qk_norm.kind}): GL(d_k) on W_Q/W_K "
                 "is not a symmetry of it; its Q/K gauge acts on the norm's gains (the 'qk_gain' pair, docs/qk_norm.md)"
             )
+        if kind == "qk_gain":
+            return GaugePair._gain_pair(site)
         if kind == "qk":
-            q, k = site.q, site.k
+            k = site.k
             return GaugePair(
                 "qk", site,
-                PairSide("q", q.weight, q.bias, q.row_mult, site.h, site.n_rep, False),
+                query_rows(site),
                 PairSide("k", k.weight, k.bias, k.row_mult, site.h_kv, 1, False),
                 site.d_k, site.rope, site.h_kv,
             )
@@ -195,3 +255,38 @@ class GaugePair:
                 site.d_v, NO_ROPE, site.h_kv,
             )
         raise GaugeError(f"pair kind={kind!r} is not one of {PAIRS}")
+
+    @staticmethod
+    def _gain_pair(site: "AttentionSite") -> "GaugePair":
+        n = site.qk_norm
+        if n is None:
+            raise GaugeError(
+                f"{site.name} has no QK-norm, so it has no 'qk_gain' pair: its Q/K gauge acts on W_Q/W_K (the 'qk' "
+                "pair; site.qk_kind names the right one)"
+            )
+        if n.q_gain is None or n.k_gain is None:
+            raise GaugeError(
+                f"{site.name}: the QK-norm has no learnable gain on the {'query' if n.q_gain is None else 'key'} side, "
+                "so no continuous Q/K gauge is left (only V/O); gaugeopt needs both gains to build the 'qk_gain' pair"
+            )
+        if n.q_gain.param is n.k_gain.param:
+            raise GaugeError(
+                f"{site.name}: queries and keys share one norm gain ({n.q_gain.name}); g_q ⊙ d, g_k ⊘ d cannot act on "
+                "one tensor, so no continuous Q/K gauge is left"
+            )
+        rq, rk = n.q_gain.shape[0], n.k_gain.shape[0]
+        if rq == 1 and rk == 1:
+            groups, rep_q, rows_q, rows_k = 1, 1, 1, 1
+        elif rq == site.h and rk == site.h_kv:
+            groups, rep_q, rows_q, rows_k = site.h_kv, site.n_rep, site.h, site.h_kv
+        else:
+            raise GaugeError(
+                f"{site.name}: the query gains have {rq} rows and the key gains {rk}; gaugeopt handles one gain vector "
+                f"shared by all heads on both sides, or one per head on both sides ({site.h} and {site.h_kv})"
+            )
+        return GaugePair(
+            "qk_gain", site,
+            PairSide("q", n.q_gain, n.q_bias, None, rows_q, rep_q, False, "gain", n.gain_offset),
+            PairSide("k", n.k_gain, n.k_bias, None, rows_k, 1, False, "gain", n.gain_offset),
+            site.d_k, site.rope if n.before_rope else NO_ROPE, groups,
+        )

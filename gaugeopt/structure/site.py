@@ -179,6 +179,23 @@ class QKNorm:
             raise GaugeError(f"QKNorm.kind={self.kind!r} is not one of {QK_NORM_KINDS}")
         if self.scope not in QK_NORM_SCOPES:
             raise GaugeError(f"QKNorm.scope={self.scope!r} is not one of {QK_NORM_SCOPES}")
+        if self.eps < 0:
+            raise GaugeError(f"QKNorm.eps={self.eps!r} must be >= 0")
+        if self.kind == "rms" and (self.q_bias is not None or self.k_bias is not None):
+            raise GaugeError("QKNorm(kind='rms') takes no biases; a norm with a bias is kind='layer'")
+
+    def refs(self) -> Iterator[tuple[str, TensorRef]]:
+        """``("q.gain", ref)``, ``("k.gain", ref)`` and the LayerNorm biases ``("q.norm_bias", ref)``, ...
+        (those present)."""
+        for role, ref in (("q.gain", self.q_gain), ("k.gain", self.k_gain),
+                          ("q.norm_bias", self.q_bias), ("k.norm_bias", self.k_bias)):
+            if ref is not None:
+                yield role, ref
+
+    @property
+    def per_head(self) -> bool:
+        """Every head has its own gain vector (OLMo 2), rather than one vector shared by all heads."""
+        return self.q_gain is not None and self.q_gain.shape[0] > 1
 
 
 @dataclass
@@ -256,6 +273,26 @@ class AttentionSite:
                         f"{self.name}: {proj_name}.{role} ({ref.name}) has canonical shape {ref.shape}, "
                         f"expected {tuple('*' if w is None else w for w in want)}"
                     )
+        if self.qk_norm is not None:
+            self._check_qk_norm(self.qk_norm)
+
+    def _check_qk_norm(self, n: QKNorm) -> None:
+        """Gains and biases are ``(1, d_k)`` (shared by every head) or per head: ``(h, d_k)`` on the
+        query side and ``(h_kv, d_k)`` on the key side."""
+        for side, heads in (("q", self.h), ("k", self.h_kv)):
+            rows = set()
+            for what in ("gain", "bias"):
+                ref = getattr(n, f"{side}_{what}")
+                if ref is None:
+                    continue
+                if len(ref.shape) != 2 or ref.shape[1] != self.d_k or ref.shape[0] not in (1, heads):
+                    raise GaugeError(
+                        f"{self.name}: qk_norm.{side}_{what} ({ref.name}) has canonical shape {ref.shape}, expected "
+                        f"(1, {self.d_k}) for one vector shared by all heads or ({heads}, {self.d_k}) for one per head"
+                    )
+                rows.add(ref.shape[0])
+            if len(rows) > 1:
+                raise GaugeError(f"{self.name}: the {side.upper()}-side norm gain and bias have different layouts")
 
     # ------------------------------------------------------------------ structure
     @property
@@ -268,9 +305,15 @@ class AttentionSite:
         return i // self.n_rep
 
     def pair(self, kind: str) -> "GaugePair":
-        """The ``"qk"`` or ``"vo"`` :class:`~gaugeopt.structure.pair.GaugePair` of this site: its two
-        sides, their members, the GQA repeat and the multiplier on each side's channel axis."""
+        """The ``"qk"``, ``"vo"`` or ``"qk_gain"`` :class:`~gaugeopt.structure.pair.GaugePair` of this
+        site: its two sides, their members, the GQA repeat and the multiplier on each side's channel
+        axis. A QK-norm site has ``"qk_gain"`` and refuses ``"qk"``; :attr:`qk_kind` says which."""
         return GaugePair.of(self, kind)
+
+    @property
+    def qk_kind(self) -> str:
+        """The pair that carries this site's Q/K gauge: ``"qk_gain"`` under QK-norm, ``"qk"`` otherwise."""
+        return "qk" if self.qk_norm is None else "qk_gain"
 
     @property
     def has_multipliers(self) -> bool:
@@ -282,10 +325,17 @@ class AttentionSite:
             yield p, getattr(self, p)
 
     def refs(self) -> Iterator[tuple[str, TensorRef]]:
-        """All ``(\"q.weight\", ref)``-style entries of this site."""
+        """All ``(\"q.weight\", ref)``-style entries of this site, then the QK-norm's gains and
+        biases (``\"q.gain\"``, ``\"k.gain\"``, ``\"q.norm_bias\"``, ``\"k.norm_bias\"``)."""
         for p, proj in self.projections():
             for role, ref in proj.refs():
                 yield f"{p}.{role}", ref
+        if self.qk_norm is not None:
+            yield from self.qk_norm.refs()
+
+    def per_query(self, x: torch.Tensor) -> torch.Tensor:
+        """Expand a per-KV-group tensor ``(h_kv, ...)`` to one entry per query head ``(h, ...)``."""
+        return x.repeat_interleave(self.n_rep, dim=0) if self.n_rep > 1 else x
 
     def parameter_names(self) -> list[str]:
         """Qualified names of the parameters this site reads (each once)."""
@@ -345,7 +395,8 @@ class AttentionSite:
     def __repr__(self) -> str:  # compact: the dataclass default would print whole modules
         extra = f", rope={self.rope.kind}:{self.rope.rotary_dim}" if self.rope.active else ""
         lrm = ", lrm" if self.has_multipliers else ""
+        norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm.kind}:{self.qk_norm.scope}"
         return (
             f"AttentionSite({self.name!r}, kind={self.kind}, h={self.h}, h_kv={self.h_kv}, "
-            f"d_k={self.d_k}, d_v={self.d_v}, d_model={self.d_model}{extra}{lrm})"
+            f"d_k={self.d_k}, d_v={self.d_v}, d_model={self.d_model}{extra}{lrm}{norm})"
         )

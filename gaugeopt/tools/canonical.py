@@ -49,6 +49,16 @@ by ``‖W_Q‖_F``, which is not invariant across sections). Exact ties change n
 tied heads are then identical); *near* ties make the order fragile, see
 :attr:`CanonicalReport.margins`.
 
+**QK-norm** (docs/qk_norm.md). A site that RMS-normalises queries and keys has no ``GL(d_k)`` on
+``W_Q``/``W_K`` to section: its Q/K gauge is the gain gauge ``g_q ⊙ d``, ``g_k ⊘ d`` (one ``d`` per
+RoPE plane, or channel, per layer — per KV group for per-head gains). The section, per group and
+slot, with ``s = RMS`` of the gains over the slot (``1 + w`` for Gemma): ``"qr"``: ``s_q = 1``;
+``"balanced"``: ``s_q = s_k``; ``residual="fix"`` also fixes the sign of ``d`` by
+``Σ_slot g_k³ > 0``. ``W_Q``, ``W_K`` are left as they are (the group does not move them), the V/O
+section and the head order are as above, and per-head gains move with their heads. A LayerNorm
+QK-norm (timm) is refused: its further invisible directions (the key bias, a query-bias shift,
+each head's mean direction, a centred rotation) have no section here, so a form would not be unique.
+
 **Learnable multipliers.** The gauge acts on the effective weights ``diag(r)·W̄·diag(c)``.
 With ``fold_multipliers=True`` (default) every :class:`~gaugeopt.structure.lrm.LRMLinear` is first
 folded (``W̄ ← diag(r)W̄diag(c)``, ``b̄ ← r⊙b̄``, ``r = c = 1``), which also removes the
@@ -79,9 +89,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
+from gaugeopt.structure.actions import act_qk, act_vo, permute_heads, scale_qk_gains
 from gaugeopt.errors import GaugeError
+from gaugeopt.fix.drift import read_mean_squares, slot_rms
 from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.structure.pair import query_rows
+from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.registry import find_attention
@@ -111,7 +124,7 @@ def effective_tensors(site: AttentionSite) -> dict[str, torch.Tensor | None]:
 def _stack_queries(site: AttentionSite, wq: torch.Tensor) -> torch.Tensor:
     """``(h, d_k, d) -> (h_kv, d_k, n_rep·d)``: the query rows of each KV group side by side,
     so that ``S Sᵀ = Σ_i W_Q[i]W_Q[i]ᵀ`` (:meth:`~gaugeopt.structure.pair.PairSide.stack`)."""
-    return site.pair("qk").a.stack(wq)
+    return query_rows(site).stack(wq)
 
 
 def _stack_outputs(site: AttentionSite, wo: torch.Tensor) -> torch.Tensor:
@@ -231,6 +244,53 @@ def _qk_factor(site, t, section, residual, rtol, margins) -> torch.Tensor:
     return A
 
 
+# ---------------------------------------------------------------------- QK-norm: the gain section
+def refuse_layer_norm(site: AttentionSite, what: str) -> None:
+    """Refuse a LayerNorm QK-norm site (its invisible directions have no section; module docstring)."""
+    if site.qk_norm is not None and site.qk_norm.kind != "rms":
+        raise GaugeError(
+            f"{what}: {site.name} normalises queries and keys with a LayerNorm; besides the gain gauge it leaves "
+            "directions the function never sees (the key bias, a query-bias shift, each head's mean direction, a "
+            "centred rotation) that gaugeopt does not section, so no unique form exists here. RMSNorm QK-norm "
+            "(Qwen3, OLMo 2, Gemma 3, GPT(qk_norm=True)) is supported"
+        )
+
+
+def gain_scales(site: AttentionSite) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(s_q, s_k, slot)`` of a QK-norm site: RMS of the gains (``gain + offset``) per group and
+    slot (``(groups, n_slots)``, float64) and the slot of each channel."""
+    pair = site.pair("qk_gain")
+    slot = plane_index(pair.rope, site.d_k)
+    n = int(slot.max()) + 1
+    s_q = slot_rms(read_mean_squares(pair.a, pair.a.members("gain"), torch.float64), slot, n)
+    s_k = slot_rms(read_mean_squares(pair.b, pair.b.members("gain"), torch.float64), slot, n)
+    return s_q, s_k, slot
+
+
+def _gain_cubes(site: AttentionSite, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(Σ g_k³, Σ |g_k|³)`` of the key gains (``+ offset``) per group and slot."""
+    pair = site.pair("qk_gain")
+    n = int(slot.max()) + 1
+    g = pair.b.grouped(site.qk_norm.k_gain.get().detach().double() + site.qk_norm.gain_offset)  # (G, 1, d_k)
+    onehot = torch.nn.functional.one_hot(slot, n).to(g.dtype)
+    return (g**3).sum(1) @ onehot, (g.abs() ** 3).sum(1) @ onehot
+
+
+def _gain_section(site: AttentionSite, section: str, residual: str, margins: dict) -> None:
+    """Move the site's gains to the section (module docstring)."""
+    s_q, s_k, slot = gain_scales(site)
+    tiny = torch.finfo(torch.float64).tiny
+    if bool((s_q <= tiny).any()) or bool((s_k <= tiny).any()):
+        raise GaugeError(f"{site.name}: a slot of the QK-norm gains is zero; the canonical form needs every slot used")
+    d = 1.0 / s_q if section == "qr" else (s_k / s_q).sqrt()
+    if residual == "fix":
+        cube, norm = _gain_cubes(site, slot)
+        sign = torch.where(cube / d < 0, -1.0, 1.0).to(d)  # after g_k ← g_k / d: Σ g_k³ > 0
+        margins["sign_margin"] = min(margins["sign_margin"], float((cube.abs() / norm.clamp_min(tiny)).min()))
+        d = d * sign
+    scale_qk_gains(site, d[:, slot])
+
+
 def _vo_factor(site, t, residual, rtol, margins) -> torch.Tensor:
     """``C (h_kv, d_v, d_v)`` with ``CᵀW_V`` row-orthonormal; ``"fix"`` also diagonalises the
     stacked ``W_O`` Gram (``W_Vᵀ = Q_V R_V``, ``T = Q_T R_T``, ``R_T R_Vᵀ = uσvᵀ``, ``C = R_V⁻¹v``)."""
@@ -270,7 +330,7 @@ def head_energies(site: AttentionSite, t: dict | None = None) -> tuple[torch.Ten
     """Gauge-invariant per-query-head keys ``(‖W_Q[i]ᵀW_K[j]‖_F², ‖W_O[:, i]W_V[j]‖_F²)``, each ``(h,)``,
     from ``d_k×d_k`` Grams (``‖XᵀY‖² = ⟨XXᵀ, YYᵀ⟩``)."""
     t = effective_tensors(site) if t is None else t
-    expand = site.pair("qk").a.expand  # a KV head's value for each of its query heads
+    expand = site.per_query  # a KV head's value for each of its query heads
     gq = t["wq"] @ t["wq"].mT
     gk = expand(t["wk"] @ t["wk"].mT)
     go = t["wo"].mT @ t["wo"]
@@ -313,7 +373,9 @@ class GaugeMetrics:
     ``cond_q = κ(P)``, ``cond_k = κ(R)`` with the weight Grams ``P = Σ_i W_Q[i]W_Q[i]ᵀ``,
     ``R = W_K W_Kᵀ`` (the paper uses activation covariances; for white inputs they coincide).
     Under RoPE the balanced section equalises only the per-plane traces of ``P`` and ``R``, so
-    ``qk_imbalance`` does not vanish there.
+    ``qk_imbalance`` does not vanish there. On a QK-norm site (whose Q/K gauge moves the gains,
+    not ``W_Q``/``W_K``) ``qk_imbalance = ‖s_q − s_k‖ / ‖s_q‖`` over the slots of the gain scales
+    (0 in the balanced section), one value per group of the gain pair.
     """
 
     value_orthonormality: torch.Tensor
@@ -335,7 +397,11 @@ def canonical_metrics(model: nn.Module) -> GaugeMetrics:
         P, R = S @ S.mT, t["wk"] @ t["wk"].mT
         gv = t["wv"] @ t["wv"].mT
         vals["value_orthonormality"].append(torch.linalg.matrix_norm(gv - torch.eye(site.d_v, dtype=gv.dtype)))
-        vals["qk_imbalance"].append(torch.linalg.matrix_norm(P - R) / torch.linalg.matrix_norm(P))
+        if site.qk_norm is None:
+            vals["qk_imbalance"].append(torch.linalg.matrix_norm(P - R) / torch.linalg.matrix_norm(P))
+        else:
+            s_q, s_k, _ = gain_scales(site)
+            vals["qk_imbalance"].append((s_q - s_k).norm(dim=-1) / s_q.norm(dim=-1))
         for name, G in (("cond_q", P), ("cond_k", R)):
             ev = torch.linalg.eigvalsh(G)
             vals[name].append(ev[..., -1] / ev[..., 0].clamp_min(torch.finfo(ev.dtype).tiny))
@@ -347,13 +413,19 @@ def section_residual(model: nn.Module, section: str = "qr", residual: str = "fix
     """Largest violation of the section's equations in ``model`` (0 for an exact canonical form).
 
     Relative residuals of: the Q/K condition (``P = I`` / ``P = R`` on non-rotary coordinates,
-    ``tr P_m = 2`` / ``tr P_m = tr R_m`` per plane), ``W_V W_Vᵀ = I``, and with
-    ``residual="fix"`` the diagonal/descending/sign conventions (a wrong sign counts as 1).
+    ``tr P_m = 2`` / ``tr P_m = tr R_m`` per plane; on a QK-norm site ``s_q = 1`` / ``s_q = s_k``
+    per slot of the gains), ``W_V W_Vᵀ = I``, and with ``residual="fix"`` the
+    diagonal/descending/sign conventions (a wrong sign counts as 1).
     """
     _check_args(section, residual)
     worst = 0.0
     for site in find_attention(model):
+        refuse_layer_norm(site, "section_residual")
         t = effective_tensors(site)
+        if site.qk_norm is not None:
+            worst = max(worst, _gain_residual(site, section, residual))
+            worst = max(worst, _vo_residual(site, t, residual))
+            continue
         S, K = _stack_queries(site, t["wq"]), t["wk"]
         r, dk = site.rope.rotary_dim, site.d_k
         eye = lambda n: torch.eye(n, dtype=torch.float64)  # noqa: E731
@@ -376,12 +448,26 @@ def section_residual(model: nn.Module, section: str = "qr", residual: str = "fix
                 G = G + torch.stack([K[:, p], K[:, q]], 2) @ torch.stack([K[:, p], K[:, q]], 2).mT
                 worst = max(worst, _diag_violation(G, torch.linalg.matrix_norm(G)))
                 worst = max(worst, _sign_violation(torch.cat([K[:, p], K[:, q]], -1)))
-        gv = t["wv"] @ t["wv"].mT
-        worst = max(worst, float(torch.linalg.matrix_norm(gv - eye(site.d_v)).max()))
-        if residual == "fix":
-            T = _stack_outputs(site, t["wo"])
-            G = T.mT @ T
-            worst = max(worst, _diag_violation(G, torch.linalg.matrix_norm(G)), _sign_violation(t["wv"]))
+        worst = max(worst, _vo_residual(site, t, residual))
+    return worst
+
+
+def _vo_residual(site: AttentionSite, t: dict, residual: str) -> float:
+    gv = t["wv"] @ t["wv"].mT
+    worst = float(torch.linalg.matrix_norm(gv - torch.eye(site.d_v, dtype=torch.float64)).max())
+    if residual == "fix":
+        T = _stack_outputs(site, t["wo"])
+        G = T.mT @ T
+        worst = max(worst, _diag_violation(G, torch.linalg.matrix_norm(G)), _sign_violation(t["wv"]))
+    return worst
+
+
+def _gain_residual(site: AttentionSite, section: str, residual: str) -> float:
+    s_q, s_k, slot = gain_scales(site)
+    gap = (s_q - 1).abs() if section == "qr" else (s_q - s_k).abs() / (s_q + s_k)
+    worst = float(gap.max())
+    if residual == "fix":
+        worst = max(worst, float((_gain_cubes(site, slot)[0] < 0).any()))
     return worst
 
 
@@ -481,9 +567,11 @@ def canonicalize(
         A :class:`CanonicalReport` (``.model`` is the canonical model).
 
     Raises:
-        GaugeError: unknown section/residual, or a rank-deficient projection.
+        GaugeError: unknown section/residual, a rank-deficient projection, or a LayerNorm QK-norm.
     """
     _check_args(section, residual)
+    for site in find_attention(model):
+        refuse_layer_norm(site, "canonicalize")
     target = model if inplace else copy.deepcopy(model)
     if fold_multipliers:
         fold_lrm_multipliers(target)
@@ -496,8 +584,11 @@ def canonicalize(
     margins = {"spectral_gap": float("inf"), "sign_margin": float("inf"), "sort_gap": float("inf")}
     kv_perms, q_perms = [], []
     for site in sites:
-        A = _qk_factor(site, effective_tensors(site), section, residual, rank_rtol, margins)
-        act_qk(site, A)
+        if site.qk_norm is None:
+            A = _qk_factor(site, effective_tensors(site), section, residual, rank_rtol, margins)
+            act_qk(site, A)
+        else:
+            _gain_section(site, section, residual, margins)
         C = _vo_factor(site, effective_tensors(site), residual, rank_rtol, margins)
         act_vo(site, C)
         if sort_heads:

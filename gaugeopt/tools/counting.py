@@ -17,6 +17,17 @@ with learnable multipliers has one more family, the internal ``r·W̄·c`` resca
 LRM layer (``rows + in`` per multiplier block), reported as ``"lrm_internal"`` and included in
 the total.
 
+**QK-norm** (docs/qk_norm.md). A layer that normalises queries and keys keeps none of ``GL(d_k)``
+on ``W_Q``/``W_K``; its Q/K gauge is the gain gauge, one factor per slot — ``n_p = r/2 + (d_k − r)``
+slots when the norm acts before RoPE (``"wang"``), ``d_k`` when RoPE is ignored (``"van_nierop"``)
+or acts first — per layer for a gain vector shared by all heads, per KV group for per-head gains
+(``"qk_gain"``). A LayerNorm adds directions the function never sees (``"qk_layernorm"``): the mean
+direction of every query and key head's rows, ``(h + h_kv)·(d_model [+ 1 with biases])``, and without
+RoPE the key bias (``d_k``), one query-bias shift and one centred rotation. With ``eps = 0`` every
+head (per-head norm) or each side (full-width norm) gains a positive scale (``"qk_head_scale"``).
+Qwen3-0.6B: ``"wang"`` ``28·(64 + 8·128²) = 3,671,808``; ``"van_nierop"`` ``28·(128 + 8·128²) +
+1023·1022/2 = 4,196,353``.
+
 Example:
     >>> from gaugeopt import gauge_dimension
     >>> gauge_dimension({"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768})
@@ -35,14 +46,27 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 
-__all__ = ["LayerShape", "gauge_dimension", "layer_shapes"]
+__all__ = ["LayerShape", "NormShape", "gauge_dimension", "layer_shapes"]
 
 CONVENTIONS = ("wang", "van_nierop")
 
 
 @dataclass(frozen=True)
+class NormShape:
+    """What a count needs of a layer's QK-norm (:class:`~gaugeopt.structure.site.QKNorm`)."""
+
+    kind: str = "rms"
+    per_head: bool = False
+    scope: str = "head"
+    before_rope: bool = True
+    eps: float = 1e-6
+    bias: bool = False
+
+
+@dataclass(frozen=True)
 class LayerShape:
-    """The head structure of one attention layer, all a count needs."""
+    """The head structure of one attention layer, all a count needs (``qk_bias``: the Q/K
+    projections have biases; ``qk_norm``: the layer normalises queries and keys)."""
 
     h: int
     h_kv: int
@@ -50,6 +74,8 @@ class LayerShape:
     d_v: int
     d_model: int
     rope: RopeSpec = NO_ROPE
+    qk_norm: NormShape | None = None
+    qk_bias: bool = False
 
 
 def _get(cfg: Any, *names: str, default=None):
@@ -68,38 +94,81 @@ def _rope_from_hf(cfg: Any, d_k: int) -> RopeSpec:
     return RopeSpec("split_half", r)
 
 
+# model_type -> (QK-norm scope and per-head gains), for the Hugging Face QK-norm families
+_HF_QK_NORM = {"qwen3": ("head", False), "olmo2": ("full", True), "gemma3_text": ("head", False)}
+
+
+def _site_shape(s) -> LayerShape:
+    n = s.qk_norm
+    norm = None if n is None else NormShape(n.kind, n.per_head, n.scope, n.before_rope, n.eps, n.q_bias is not None)
+    return LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope, norm, s.q.bias is not None)
+
+
 def layer_shapes(model_or_config: Any) -> list[LayerShape]:
     """Per-layer head structure of a model (via :func:`gaugeopt.find_attention`) or a config.
 
     Configs: :class:`gaugeopt.models.GPTConfig`, a Hugging Face ``PretrainedConfig`` or its
-    ``config.json`` as a dict, for ``model_type`` gpt2, llama, mistral or qwen2.
+    ``config.json`` as a dict, for ``model_type`` gpt2, llama, mistral, qwen2, and the QK-norm
+    families qwen3, olmo2, gemma3_text (``gemma3``: its ``text_config``).
     """
     if isinstance(model_or_config, nn.Module):
         from gaugeopt.structure.registry import find_attention
 
-        return [LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope) for s in find_attention(model_or_config)]
+        return [_site_shape(s) for s in find_attention(model_or_config)]
     cfg = model_or_config
     from gaugeopt.models.gpt import GPTConfig
 
     if isinstance(cfg, GPTConfig):
         rope = NO_ROPE if cfg.rope == "none" else RopeSpec(cfg.rope, cfg.rotary_dim)
-        shape = LayerShape(cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, cfg.n_embd, rope)
+        norm = NormShape("rms", False, "head", True, 1e-6) if cfg.qk_norm else None  # gaugeopt.models.gpt.RMSNorm
+        shape = LayerShape(cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, cfg.n_embd, rope, norm, cfg.bias)
         return [shape] * cfg.n_layer
     model_type = _get(cfg, "model_type")
+    if model_type == "gemma3":  # the multimodal config keeps the language model's in text_config
+        text = _get(cfg, "text_config")
+        if text is None:
+            raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
+        return layer_shapes(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
     if model_type == "gpt2":
         L, h, d = _get(cfg, "n_layer", "num_hidden_layers"), _get(cfg, "n_head", "num_attention_heads"), _get(cfg, "n_embd", "hidden_size")
         return [LayerShape(h, h, d // h, d // h, d)] * L
-    if model_type in ("llama", "mistral", "qwen2"):
+    if model_type in ("llama", "mistral", "qwen2") or model_type in _HF_QK_NORM:
         L = _get(cfg, "num_hidden_layers")
         h = _get(cfg, "num_attention_heads")
         h_kv = _get(cfg, "num_key_value_heads", default=h)
         d = _get(cfg, "hidden_size")
         d_k = _get(cfg, "head_dim", default=d // h)
-        return [LayerShape(h, h_kv, d_k, d_k, d, _rope_from_hf(cfg, d_k))] * L
+        bias = bool(_get(cfg, "attention_bias", default=model_type == "qwen2"))
+        norm = None
+        if model_type in _HF_QK_NORM:
+            scope, per_head = _HF_QK_NORM[model_type]
+            norm = NormShape("rms", per_head, scope, True, float(_get(cfg, "rms_norm_eps", default=1e-6)))
+        return [LayerShape(h, h_kv, d_k, d_k, d, _rope_from_hf(cfg, d_k), norm, bias)] * L
     raise GaugeError(
         f"gauge_dimension: cannot read a config of model_type={model_type!r} ({type(cfg).__qualname__}); "
-        "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2 config (object or config.json dict)"
+        "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2/qwen3/olmo2/gemma3 config "
+        "(object or config.json dict)"
     )
+
+
+def _qk_norm_counts(s: LayerShape, ignore_rope: bool) -> dict[str, int]:
+    """The Q/K gauge of one QK-norm layer (module docstring; docs/qk_norm.md)."""
+    n = s.qk_norm
+    rope = NO_ROPE if (ignore_rope or not n.before_rope) else s.rope
+    if n.kind == "layer" and s.rope.active and not n.before_rope:
+        raise GaugeError(
+            "gauge_dimension: a LayerNorm QK-norm after RoPE has no derived count (docs/qk_norm.md covers LayerNorm "
+            "without RoPE and before it)"
+        )
+    counts = {"qk_gain": (s.h_kv if n.per_head else 1) * rope.n_slots(s.d_k)}
+    if n.kind == "layer":
+        extra = (s.h + s.h_kv) * (s.d_model + int(s.qk_bias))  # the mean direction of every head's rows
+        if not (s.rope.active and not ignore_rope):
+            extra += 1 + (s.d_k + 1 if n.bias else 0)  # centred rotation; key bias, query-bias shift
+        counts["qk_layernorm"] = extra
+    if n.eps == 0:
+        counts["qk_head_scale"] = (s.h + s.h_kv) if n.scope == "head" else 2
+    return counts
 
 
 def _lrm_internal(model: Any) -> int:
@@ -119,16 +188,24 @@ def gauge_dimension(
         model_or_config: an ``nn.Module`` or a config (see :func:`layer_shapes`).
         convention: ``"wang"`` (paper 000, RoPE-reduced) or ``"van_nierop"`` (paper 003 Table 1).
         per_symmetry: return ``{"qk": ..., "vo": ..., ["residual_rotation": ...], ["lrm_internal": ...]}``
-            instead of the total.
+            instead of the total; QK-norm layers count under ``"qk_gain"`` (and ``"qk_layernorm"``,
+            ``"qk_head_scale"``) instead of ``"qk"`` (module docstring).
     """
     if convention not in CONVENTIONS:
         raise GaugeError(f"gauge_dimension: convention={convention!r} must be one of {CONVENTIONS}")
     shapes = layer_shapes(model_or_config)
-    if convention == "wang":
-        qk = sum(s.h_kv * s.rope.qk_gauge_dim(s.d_k) for s in shapes)
-    else:
-        qk = sum(s.h_kv * s.d_k**2 for s in shapes)
-    counts = {"qk": qk, "vo": sum(s.h_kv * s.d_v**2 for s in shapes)}
+    plain = [s for s in shapes if s.qk_norm is None]
+    counts: dict[str, int] = {}
+    if plain or len(plain) == len(shapes):
+        if convention == "wang":
+            counts["qk"] = sum(s.h_kv * s.rope.qk_gauge_dim(s.d_k) for s in plain)
+        else:
+            counts["qk"] = sum(s.h_kv * s.d_k**2 for s in plain)
+    for s in shapes:
+        if s.qk_norm is not None:
+            for key, n in _qk_norm_counts(s, ignore_rope=convention == "van_nierop").items():
+                counts[key] = counts.get(key, 0) + n
+    counts["vo"] = sum(s.h_kv * s.d_v**2 for s in shapes)
     if convention == "van_nierop":
         d = shapes[0].d_model
         counts["residual_rotation"] = (d - 1) * (d - 2) // 2

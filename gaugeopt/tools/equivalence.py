@@ -9,6 +9,15 @@ gauge group ``G`` (docs/gauge_group.md) leaves invariant
   generator ``J_m``, plus the projector ``I_free`` on the non-rotary coordinates;
 * the OV circuit ``W_O[:, i] X_V``.
 
+On a QK-norm site (RMSNorm; docs/qk_norm.md) the group leaves ``W_Q``, ``W_K`` and their biases where
+they are and moves only the gains, ``g_q ⊙ d``, ``g_k ⊘ d`` with ``d`` per slot (RoPE plane or
+channel): the invariants are ``X_Q``, ``X_K`` themselves and, per slot ``π``, the outer product
+``g̃_q[π] g̃_k[π]ᵀ`` of the head's query and key gains (``g̃ = g + offset``), which determines the
+gains up to exactly that ``d`` when they are nonzero; the OV circuit as above. A LayerNorm QK-norm is
+refused (:func:`gaugeopt.tools.canonical.refuse_layer_norm`). Discrete symmetries of a QK-norm
+layer outside this group (a channel's rows negated with its gain, a quarter turn of a plane with
+its gains swapped) are not quotiented: models differing by one compare as not equivalent.
+
 Conversely, equal circuits imply a gauge transformation between the heads when every block of
 ``W_Q[i]``, ``W_K[j]``, ``W_V[j]``, ``W_O[:, i]`` has full rank (unique minimal-rank
 factorisation, paper 000 Thm. 22; ``E = J_m`` forces the factor to commute with ``J`` on each
@@ -72,9 +81,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from gaugeopt.tools.canonical import effective_tensors
+from gaugeopt.tools.canonical import effective_tensors, refuse_layer_norm
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.registry import find_attention
 
@@ -119,11 +129,13 @@ def circuit_factors(site: AttentionSite, t: dict | None = None) -> list[tuple[to
     complete per-query-head invariants (module docstring); the last pair is the OV circuit."""
     t = effective_tensors(site) if t is None else t
     r, dk = site.rope.rotary_dim, site.d_k
-    expand = site.pair("qk").a.expand  # a KV head's rows for each of its query heads
+    expand = site.per_query  # a KV head's rows for each of its query heads
     xq = _aug(t["wq"], t["bq"])  # (h, d_k, d+1)
     xk = expand(_aug(t["wk"], t["bk"]))  # (h, d_k, d_in+1)
     pairs = []
-    if r < dk:
+    if site.qk_norm is not None:
+        pairs += _qk_norm_factors(site, xq, xk)
+    elif r < dk:
         pairs.append((xq[:, None, r:], xk[:, None, r:]))
     planes = site.rope.planes(dk)
     if planes:
@@ -135,6 +147,30 @@ def circuit_factors(site: AttentionSite, t: dict | None = None) -> list[tuple[to
     xv = expand(_aug(t["wv"], t["bv"]))  # (h, d_v, D)
     pairs.append((t["wo"].mT[:, None], xv[:, None]))  # W_O[:, i] X_V = (W_O[:, i]ᵀ)ᵀ X_V
     return pairs
+
+
+def _qk_norm_factors(site: AttentionSite, xq: torch.Tensor, xk: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The Q/K invariants of a QK-norm head (module docstring) as factor pairs: ``(I, X_Q)``, ``(I, X_K)``
+    and per slot ``(g̃_q[π], g̃_k[π])`` (rows of width 2, a single channel padded with 0)."""
+    refuse_layer_norm(site, "equivalence")
+    h, dk = site.h, site.d_k
+    eye = torch.eye(dk, dtype=torch.float64).expand(h, 1, dk, dk)
+    n = site.qk_norm
+    pair = site.pair("qk_gain")
+    gq = n.q_gain.get().detach().double() + n.gain_offset  # (1 or h, d_k)
+    gk = n.k_gain.get().detach().double() + n.gain_offset  # (1 or h_kv, d_k)
+    gq = gq.expand(h, dk) if gq.shape[0] == 1 else gq
+    gk = gk.expand(site.h_kv, dk) if gk.shape[0] == 1 else gk
+    gk = site.per_query(gk)
+    slot = plane_index(pair.rope, dk)
+    n_slots = int(slot.max()) + 1
+    fq = torch.zeros(h, n_slots, 1, 2, dtype=torch.float64)
+    fk = torch.zeros_like(fq)
+    for m in range(n_slots):
+        chans = (slot == m).nonzero().flatten()
+        fq[:, m, 0, : len(chans)] = gq[:, chans]
+        fk[:, m, 0, : len(chans)] = gk[:, chans]
+    return [(eye, xq[:, None]), (eye, xk[:, None]), (fq, fk)]
 
 
 def _gram_sqdist(pa, pb) -> tuple[torch.Tensor, torch.Tensor, float, float]:
@@ -222,9 +258,14 @@ def inert_tensors(model: nn.Module, sites: list[AttentionSite] | None = None) ->
     return out
 
 
+def _norm_layout(site: AttentionSite) -> tuple:
+    n = site.qk_norm
+    return () if n is None else (n.kind, n.scope, n.per_head, n.before_rope, n.eps, n.gain_offset)
+
+
 def _signature(sites: list[AttentionSite], inert: dict[str, torch.Tensor]) -> tuple:
     return (
-        tuple((s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope.kind, s.rope.rotary_dim) for s in sites),
+        tuple((s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope.kind, s.rope.rotary_dim, _norm_layout(s)) for s in sites),
         tuple(sorted((k, tuple(v.shape)) for k, v in inert.items())),
     )
 
@@ -385,7 +426,7 @@ def spectral_fingerprint(model: nn.Module) -> SpectralFingerprint:
     spectra = []
     for site in sites:
         t = effective_tensors(site)
-        expand = site.pair("qk").a.expand
+        expand = site.per_query
         _, rq = torch.linalg.qr(_aug(t["wq"], t["bq"]).mT)
         _, rk = torch.linalg.qr(expand(_aug(t["wk"], t["bk"])).mT)
         _, ro = torch.linalg.qr(t["wo"])

@@ -184,7 +184,8 @@ def align(
         permute_heads(sb, kv_perm, q_perm)
         d1 = attention_distance(sa, sb)
         if procrustes:
-            _align_qk(sa, sb)
+            if sa.qk_norm is None:  # under QK-norm W_Q/W_K carry no continuous gauge: nothing to align
+                _align_qk(sa, sb)
             _align_vo(sa, sb)
         layers.append(LayerAlignment(sa.name, kv_perm, q_perm, d0, d1, attention_distance(sa, sb)))
     return MergeResult(ref, aligned, None, 0.5, layers)

@@ -1,26 +1,6 @@
 """Built-in adapters: the attention classes :func:`gaugeopt.find_attention` understands.
 
-===========================================  ===========================================================
-module                                       classes
-===========================================  ===========================================================
-:mod:`~gaugeopt.structure.adapters.gpt`      ``gaugeopt.models.gpt.CausalSelfAttention``
-:mod:`~gaugeopt.structure.adapters.torch_mha`  ``torch.nn.MultiheadAttention``
-:mod:`~gaugeopt.structure.adapters.nanogpt`  nanoGPT's ``CausalSelfAttention`` (recognised by structure
-                                             and the source of its forward, wherever it was copied)
-:mod:`~gaugeopt.structure.adapters.litgpt`   ``litgpt.model.CausalSelfAttention``
-:mod:`~gaugeopt.structure.adapters.timm`     ``timm.layers.attention.Attention``
-:mod:`~gaugeopt.structure.adapters.torchtitan`  ``torchtitan.models.common.attention.GQAttention``
-:mod:`~gaugeopt.structure.adapters.hf`       24 Hugging Face ``transformers`` attention classes (3 of them
-                                             Q/K-normalised: recognised and refused)
-:mod:`~gaugeopt.structure.adapters.qk_norm`  the Q/K-normalised families: recognised and refused
-:mod:`~gaugeopt.structure.adapters.x_transformers`  x-transformers' ``Attention``: refused with reasons
-===========================================  ===========================================================
-
-Classes from optional libraries are matched by their import path, so gaugeopt never imports
-them; the adapters run only for models that already did. Every adapter here is *verified*: the
-test suite checks every gauge action on its classes in float64 (``tests/test_families.py``), so
-its records need no certificate.
-"""
+===========================================  ===================================================="""
 
 from __future__ import annotations
 
