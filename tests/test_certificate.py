@@ -153,6 +153,35 @@ def test_qk_norm_model_registered_as_plain_is_caught(register):
     assert _measured(err) > 1e-3
 
 
+def test_a_user_spec_with_a_qk_norm_is_certified_on_its_gain_gauge(register):
+    """A user's spec that records the Q/K norm gets the gain gauge: the certificate proves it (and
+    would refuse the plain Q/K gauge, its control), then GaugeFix balances the gains."""
+    require("transformers")
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+    from gaugeopt.structure.adapters.hf import HF_SPECS
+
+    mine = dataclasses.replace(
+        HF_SPECS["transformers.models.llama.modeling_llama.LlamaAttention"], kind="user",
+        rope=gaugeopt.RopeSpec("split_half", 8), float32_steps="the Q/K RMSNorm in float32",
+        qk_norm=gaugeopt.QKNormSpec("rms", "q_norm", "k_norm", eps="q_norm.variance_epsilon"),
+    )
+    register(Qwen3Attention, mine)
+    model, x, forward = zf.raw("hf_qwen3")
+    sites = gaugeopt.find_attention(model)
+    assert sites[0].kind == "user" and sites[0].qk_norm is not None and not is_certified(sites[0])
+    with pytest.raises(GaugeError, match="certify"):
+        gaugeopt.gauge_fix(model)
+    report = certify_with(model.eval(), lambda m: forward(m, x))
+    layer = report.layers[0]
+    assert layer.sectors["qk_gain"].control_kind == "qk_under_norm" and layer.sectors["qk_gain"].control >= 1e-3
+    assert layer.sectors["qk_gain"].valid <= 1e-6  # the float32 norm, declared
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_norm.weight.mul_(3.0)
+    fixed = gaugeopt.gauge_fix(model)
+    assert fixed.max_drift_before > 0.5 and gaugeopt.qk_drift(model) <= 1e-6
+
+
 def test_record_of_unused_tensors_has_no_power(register):
     class Shadowed(MyAttention):
         def __init__(self):

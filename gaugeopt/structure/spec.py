@@ -109,7 +109,7 @@ def require_stock_forward(name: str, module: nn.Module) -> None:
 
 
 def refuse_qk_norm(site: AttentionSite, where: str = "") -> AttentionSite:
-    """Refuse a record with per-head Q/K normalisation (the default of :attr:`AttentionSpec.on_qk_norm`).
+    """Refuse a record with per-head Q/K normalisation (an :attr:`AttentionSpec.on_qk_norm` choice).
 
     Normalising each head's queries and keys removes ``GL(d_k)`` from the Q/K gauge: what remains
     acts on the norm's gains (``docs/gauge_group.md``), which the operations here do not move yet.
@@ -205,7 +205,9 @@ class AttentionSpec:
     Attributes:
         stock_forward: refuse an instance whose ``forward`` was overridden or patched.
         kind: the records' :attr:`~gaugeopt.AttentionSite.kind`.
-        on_qk_norm: what to do with a record that has a QK-norm (default: :func:`refuse_qk_norm`).
+        on_qk_norm: what to do with a record that has a QK-norm: return it (the default: its Q/K gauge
+            is then the norm's gain gauge, which :func:`gaugeopt.certify` checks), or refuse it
+            (:func:`refuse_qk_norm`, what built-in families without a verified gain gauge do).
     """
 
     o: str
@@ -318,7 +320,7 @@ class AttentionSpec:
             fixed_head_order=fixed or "",
         )
         if qk_norm is not None:
-            site = (self.on_qk_norm or refuse_qk_norm)(site)
+            site = self.on_qk_norm(site) if self.on_qk_norm is not None else site
         return site
 
     def adapter(self) -> Callable[[nn.Module, str, nn.Module], AttentionSite]:
