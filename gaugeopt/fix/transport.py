@@ -75,6 +75,8 @@ __all__ = [
     "reduced_ref",
     "transport_entries",
     "unwrap_optimizer",
+    "inner_optimizer",
+    "wrapped_chain",
 ]
 
 UNKNOWN_STATE_POLICIES = ("error", "reset", "leave")
@@ -105,6 +107,23 @@ register_state_rule(torch.optim.SGD, {"momentum_buffer": 1})
 register_state_rule(torch.optim.Adagrad, {"sum": 2})
 
 
+def inner_optimizer(wrapper):
+    """What ``wrapper`` wraps through ``.optimizer`` or ``._optimizer`` (``None`` when nothing):
+    Lightning's ``LightningOptimizer``, Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`."""
+    return getattr(wrapper, "optimizer", None) or getattr(wrapper, "_optimizer", None)
+
+
+def wrapped_chain(optimizer) -> list:
+    """``optimizer`` and every object it wraps (:func:`inner_optimizer`, at most 8 levels)."""
+    chain = [optimizer]
+    for _ in range(8):
+        inner = inner_optimizer(chain[-1])
+        if inner is None:
+            break
+        chain.append(inner)
+    return chain
+
+
 def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
     """The :class:`torch.optim.Optimizer` holding the state.
 
@@ -131,7 +150,7 @@ def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
                 optimizer = parts[0]
                 continue
             return optimizer
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        inner = inner_optimizer(optimizer)
         if inner is None:
             break
         optimizer = inner

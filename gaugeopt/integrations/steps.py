@@ -48,6 +48,7 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.plan import check_choice, check_fix_options
+from gaugeopt.fix.transport import inner_optimizer, wrapped_chain
 from gaugeopt.structure.certificate import CallRecorder, CertificateReport, certify_calls
 from gaugeopt.structure.certified import is_certified, require_certified
 from gaugeopt.structure.registry import find_attention
@@ -71,7 +72,7 @@ def _watched(optimizer) -> list[torch.optim.Optimizer]:
             if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
                 return [w for part in parts for w in _watched(part)]
             return [optimizer]
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        inner = inner_optimizer(optimizer)
         if inner is None:
             break
         optimizer = inner
@@ -106,17 +107,6 @@ def owning_optimizer(optimizers, params: Iterable[torch.Tensor], who: str) -> to
             "(weights, biases, multipliers) in one optimizer (other parameters may use others)"
         )
     return owners[0]
-
-
-def _wrapped_chain(optimizer) -> list:
-    """``optimizer`` and every object it wraps through ``.optimizer`` / ``._optimizer``."""
-    chain = [optimizer]
-    for _ in range(8):
-        inner = getattr(chain[-1], "optimizer", None) or getattr(chain[-1], "_optimizer", None)
-        if inner is None:
-            break
-        chain.append(inner)
-    return chain
 
 
 # optimizer -> the counters attached to it, so that their hooks run in a fixed order (below)
@@ -338,7 +328,7 @@ class FixSteps(StepCounter):
     def check_conflicts(self, optimizers) -> None:
         """A :class:`gaugeopt.GaugeProjected` with ``fix_every`` already fixes: refuse fixing twice."""
         for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            for o in _wrapped_chain(opt):
+            for o in wrapped_chain(opt):
                 if getattr(o, "fix_every", None):
                     raise GaugeError(
                         f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every} and {type(self).__name__} is "
@@ -427,7 +417,7 @@ class ProjectSteps(StepCounter):
         from gaugeopt.integrations.optim import GaugeProjected
 
         for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            for o in _wrapped_chain(opt):
+            for o in wrapped_chain(opt):
                 if isinstance(o, GaugeProjected) and o.project is not None:
                     raise GaugeError(
                         f"the optimizer is a GaugeProjected(project={o.project!r}) and {type(self).__name__} is also "
