@@ -189,12 +189,11 @@ class GaugeFixer:
         outcome, state = self._classify()
         runner = self._backend_for(state)
         numbers = runner.run()
-        counts = torch.stack([n.changed.sum() for n in numbers]).tolist() if numbers else []  # one host sync
         report = GaugeFixReport(**outcome, backend=runner.name)
-        for plan, n, c in zip(self.plans, numbers, counts):
+        for plan, n in zip(self.plans, numbers):  # tensors: nothing waits for the device until the report is read
             report.pairs.append(PairRecord(
                 plan.site.name, plan.site.layer_index, plan.kind, plan.mode, plan.granularity,
-                n.drift_before, n.drift_after, n.product_before, n.product_after, int(c) * plan.heads_per_group,
+                n.drift_before, n.drift_after, n.product_before, n.product_after, n.changed, plan.heads_per_group,
             ))
         return report
 

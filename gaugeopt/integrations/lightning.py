@@ -319,7 +319,9 @@ class GaugeProjection(_StepCounter):
     :class:`gaugeopt.GaugeProjected`, sharing its step functions.
 
     Args:
-        mode: ``"exact"`` (Sylvester) or ``"approx"`` (paper 000 Algorithm 2).
+        mode: ``"exact"`` (Sylvester), ``"approx"`` (a few preconditioned CG steps, never leaving
+            more vertical part than there was; ``approx_iters=`` in ``projector_kwargs``) or
+            ``"paper000"`` (paper 000 Algorithm 2, for comparison), see :mod:`gaugeopt.projection.projector`.
         target: ``"update"`` (project the step the optimizer actually took, weight decay and
             all) or ``"grad"`` (project the gradients in ``on_before_optimizer_step``: after
             accumulation and AMP unscaling, before gradient clipping).
@@ -346,10 +348,10 @@ class GaugeProjection(_StepCounter):
         prefix: str = "gauge/",
         **projector_kwargs: Any,
     ) -> None:
-        from gaugeopt.projection.projector import MODES as PROJECTION_MODES
+        from gaugeopt.projection.projector import check_mode
 
         super().__init__(log_every, sites, prefix)
-        check_choice("mode", mode, PROJECTION_MODES)
+        check_mode(mode, "GaugeProjection")
         check_choice("target", target, ("update", "grad"))
         self.mode, self.target, self.sectors = mode, target, sectors
         self.projector_kwargs = projector_kwargs

@@ -54,7 +54,7 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
-from gaugeopt.projection.projector import MODES, GaugeProjector
+from gaugeopt.projection.projector import MODES, GaugeProjector, check_mode
 from gaugeopt.projection.step import remove_vertical_grad_, remove_vertical_update_, snapshot, vertical_fraction_of
 
 __all__ = ["GaugeProjected"]
@@ -70,7 +70,10 @@ class GaugeProjected(torch.optim.Optimizer):
         optimizer: any ``torch.optim.Optimizer`` over (at least) the gauge parameters.
         model: the model whose attention gauges are projected out.
         project: ``"update"`` (project the step actually taken) or ``"grad"``.
-        mode: ``"exact"`` (Sylvester) or ``"approx"`` (paper 000 Algorithm 2).
+        mode: ``"exact"`` (Sylvester), ``"approx"`` (a few preconditioned CG steps: never leaves more
+            vertical part than the step had; ``approx_iters`` sets how many) or ``"paper000"``
+            (paper 000 Algorithm 2, for comparison: it can add vertical part), see
+            :mod:`gaugeopt.projection.projector`.
         fix_every: run ``gaugeopt.gauge_fix(model, optimizer=inner)`` every this many steps.
         sectors: ``"auto"`` or a subset of :data:`gaugeopt.projection.projector.SECTORS`.
         sites: attention sites to project (default all).
@@ -105,8 +108,7 @@ class GaugeProjected(torch.optim.Optimizer):
             raise GaugeError("GaugeProjected: the optimizer is already wrapped; wrap the inner optimizer once")
         if project not in _PROJECT:
             raise GaugeError(f"GaugeProjected: project={project!r} is not one of {_PROJECT}")
-        if mode not in MODES:
-            raise GaugeError(f"GaugeProjected: mode={mode!r} is not one of {MODES}")
+        check_mode(mode, "GaugeProjected")
         if fix_every is not None and (not isinstance(fix_every, int) or fix_every < 1):
             raise GaugeError(f"GaugeProjected: fix_every={fix_every!r} must be a positive integer or None")
         if project == "grad" and isinstance(optimizer, torch.optim.LBFGS):

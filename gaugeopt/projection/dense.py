@@ -38,9 +38,11 @@ planes are mutually orthogonal and orthogonal to the free block: each plane is a
 (``J`` antisymmetric, the blocks symmetric) and ``‖g_I‖² = ‖g_J‖² = tr P_mm + tr R_mm``, so
 ``a = (S_pp + S_qq)/N``, ``b = (S_qp − S_pq)/N``; with twists the 2×2 Gram is solved.
 
-**Modes.** ``"exact"`` as above. ``"approx"``: a fixed number of Jacobi-preconditioned CG steps
-on the same normal equations ``K(M) = S`` (no eigendecomposition), started from the best
-multiple of the previous call's coefficients (:func:`~gaugeopt.projection.sylvester.batched_pcg`):
+**Modes.** ``"exact"`` as above. ``"approx"``: a fixed number of CG steps on the same normal
+equations ``K(M) = S``, preconditioned by one ADI step of the (reparametrised) Sylvester pair
+(:class:`~gaugeopt.projection.sylvester.ShiftedSylvester`: two Cholesky factorisations, no
+eigendecomposition), started from the best multiple of the previous call's coefficients
+(:func:`~gaugeopt.projection.sylvester.batched_pcg`):
 CG minimises the ``K``-norm of the coefficient error, which *is* the norm of the vertical part
 left behind, over a space that contains the start, so the approximation never leaves more
 vertical part than there was. ``"paper000"``: paper 000 Algorithm 2 — two one-sided
@@ -83,7 +85,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.structure.pair import PairSide
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.projection import sylvester
-from gaugeopt.projection.sylvester import SylvesterInverse, batched_pcg
+from gaugeopt.projection.sylvester import ShiftedSylvester, SylvesterInverse, batched_pcg
 
 __all__ = ["DenseSector", "STACK_SITES"]
 
@@ -160,9 +162,15 @@ def _per_head(t: torch.Tensor, k: int) -> torch.Tensor:
 
 def _add_images(Mh: torch.Tensor, src: _Rows, dst: list[_Rows]) -> None:
     """``dst += Mh · src`` row block by row block (``Mh (heads, f, f)``; ``dst`` one ``_Rows`` per
-    site, together ``heads`` heads): in place into the output's views."""
+    site, together ``heads`` heads): in place into the output's views. A column side (the O
+    weight, rows strided along the model width) is written as ``dstᵀ += srcᵀ Mhᵀ``, the layout
+    BLAS writes in place."""
     if len(dst) == 1:
-        dst[0].W.baddbmm_(Mh, src.W)
+        out = dst[0].W
+        if out.stride(-1) == 1:
+            out.baddbmm_(Mh, src.W)
+        else:
+            out.mT.baddbmm_(src.W.mT, Mh.mT)
         if src.b is not None:
             dst[0].b.add_(torch.bmm(Mh, src.b[..., None])[..., 0])
         return
@@ -220,6 +228,7 @@ class _Batch:
     l: torch.Tensor  # (G, f) representative twists (the exact ones when uniform)
     g: torch.Tensor
     uniform: bool
+    twisted: bool = False
     inv: SylvesterInverse | None = None
     stacked: dict | None = None  # chunk index -> stacked θ rows (CUDA)
 
@@ -239,7 +248,7 @@ class DenseSector:
         approx_iters: CG steps of ``mode="approx"``.
     """
 
-    def __init__(self, kind: str, sites: list[AttentionSite], *, approx_iters: int = 8) -> None:
+    def __init__(self, kind: str, sites: list[AttentionSite], *, approx_iters: int = 4) -> None:
         if kind not in ("qk", "vo"):
             raise GaugeError(f"DenseSector: kind={kind!r} must be 'qk' or 'vo'")
         self.name = kind
@@ -473,24 +482,34 @@ def _batch_prepare(points: list[_Point], ctx) -> _Batch:
     lam, gam = _cat(lams), _cat(gams)
     G, f = Ph.shape[0], Ph.shape[-1]
     b.uniform = _uniform(lam) and _uniform(gam)
+    b.twisted = lam is not None or gam is not None
     b.l = _rep_twist(lam, Ph, G, f, Ph)
     b.g = _rep_twist(gam, Rh, G, f, Ph)
     if b.uniform:  # one Gram per group
-        Ph, Rh = Ph.sum(1, keepdim=True), Rh.sum(1, keepdim=True)
+        Ph = Ph if kA == 1 else Ph.sum(1, keepdim=True)
+        Rh = Rh if kB == 1 else Rh.sum(1, keepdim=True)
     else:
         b.la = None if lam is None else lam.pow(-2)
         b.ga = None if gam is None else gam.pow(-2)
     b.Ph, b.Rh = Ph, Rh
-    if ctx.mode == "approx":
-        return b
     # Reparametrised Sylvester pair P̃ = Γ(ΣP̂)Γ, R̃ = Λ(ΣR̂)Λ: exact when uniform, the preconditioner otherwise.
-    Pt = Ph.sum(1) * b.g[:, :, None] * b.g[:, None, :]
-    Rt = Rh.sum(1) * b.l[:, :, None] * b.l[:, None, :]
+    Pt, Rt = _member_sum(Ph), _member_sum(Rh)
+    if lam is not None or gam is not None:
+        Pt = Pt * (b.g[:, :, None] * b.g[:, None, :])
+        Rt = Rt * (b.l[:, :, None] * b.l[:, None, :])
+    if ctx.mode == "approx":  # no eigendecomposition: one ADI step as the CG preconditioner
+        b.inv = ShiftedSylvester(Pt, Rt)
+        return b
     factors = None
     if sylvester.gram_eig_backend(Pt, ()) == "svd":  # P̃ = F_P F_Pᵀ with F_P = [Γ Λ_k a_k]_k (tall: k·m ≥ n)
         factors = (_factor(b, "a") * b.g[:, :, None], _factor(b, "b") * b.l[:, :, None])
     b.inv = SylvesterInverse(Pt, Rt, ctx.rtol, regularize=not b.uniform and ctx.mode == "exact", factors=factors)
     return b
+
+
+def _member_sum(t: torch.Tensor) -> torch.Tensor:
+    """``(G, k, f, f) → (G, f, f)``, a view when ``k = 1``."""
+    return t[:, 0] if t.shape[1] == 1 else t.sum(1)
 
 
 def _factor(b: _Batch, side: str) -> torch.Tensor:
@@ -510,27 +529,30 @@ def _factor(b: _Batch, side: str) -> torch.Tensor:
 
 def _batch_solve(b: _Batch, SA: torch.Tensor, SB: torch.Tensor, ctx, sector: "DenseSector", key: tuple) -> torch.Tensor:
     """``M`` for every group of the batch (``M = Γ Y Λ`` in the reparametrised coordinates)."""
-    gl = b.g[:, :, None] * b.l[:, None, :]
+    gl = b.g[:, :, None] * b.l[:, None, :] if b.twisted else None
     if ctx.mode == "paper000":  # paper 000 Algorithm 2: symmetrised one-sided pseudo-inverse estimates
-        return gl * (0.5 * (b.inv.left_pinv(SA * gl) + b.inv.right_pinv(-SB * gl)))
+        return _gl(0.5 * (b.inv.left_pinv(_gl(SA, gl)) + b.inv.right_pinv(_gl(-SB, gl))), gl)
     S = SA - SB
     if b.uniform and ctx.mode == "exact":
-        return gl * b.inv(S * gl)
+        return _gl(b.inv(_gl(S, gl)), gl)
     op = _operator(b)
     if ctx.mode == "exact":  # LRM + GQA: CG preconditioned by the Sylvester inverse of the mean twists
-        M, iters, res, _ = batched_pcg(op, S, lambda R: gl * b.inv(R * gl), tol=ctx.cg_tol, maxiter=ctx.cg_maxiter)
+        M, iters, res, _ = batched_pcg(op, S, lambda R: _gl(b.inv(_gl(R, gl)), gl), tol=ctx.cg_tol, maxiter=ctx.cg_maxiter)
         ctx.note_cg(sector.name, iters, float(res.max()))
         return M
-    # approx: a fixed number of Jacobi-preconditioned CG steps, warm-started from the last call
-    diag = _op_diagonal(b)
-    inv_diag = torch.where(diag > 0, 1.0 / diag.clamp_min(torch.finfo(diag.dtype).tiny), torch.zeros_like(diag))
+    # approx: a fixed number of CG steps preconditioned by one ADI step, warm-started from the last call
     x0 = sector._warm.get(key)
     if x0 is not None and (x0.shape != S.shape or x0.dtype != S.dtype or x0.device != S.device):
         x0 = None
-    M, iters, res, left = batched_pcg(op, S, lambda R: R * inv_diag, maxiter=sector.approx_iters, x0=x0)
+    M, iters, res, left = batched_pcg(op, S, lambda R: _gl(b.inv(_gl(R, gl)), gl), maxiter=sector.approx_iters, x0=x0)
     sector._warm[key] = M.detach()
     ctx.note_approx(sector.name, iters, res, left)
     return M
+
+
+def _gl(x: torch.Tensor, gl: torch.Tensor | None) -> torch.Tensor:
+    """``x ∘ (g lᵀ)``: between ``M`` and the reparametrised ``Y`` (nothing to do without twists)."""
+    return x if gl is None else x * gl
 
 
 def _operator(b: _Batch):
@@ -541,22 +563,11 @@ def _operator(b: _Batch):
         return lambda M: torch.bmm(P, M) * li + gi * torch.bmm(M, R)
 
     def op(M):
-        a = torch.einsum("gkab,gbc,gkc->gac", b.Ph, M, b.la) if b.la is not None else b.Ph.sum(1) @ M
-        c = torch.einsum("gka,gab,gkbc->gac", b.ga, M, b.Rh) if b.ga is not None else M @ b.Rh.sum(1)
+        a = torch.einsum("gkab,gbc,gkc->gac", b.Ph, M, b.la) if b.la is not None else _member_sum(b.Ph) @ M
+        c = torch.einsum("gka,gab,gkbc->gac", b.ga, M, b.Rh) if b.ga is not None else M @ _member_sum(b.Rh)
         return a + c
 
     return op
-
-
-def _op_diagonal(b: _Batch) -> torch.Tensor:
-    """Diagonal of ``K`` in the entries of ``M``: ``Σ_A P̂_k[a,a] λ_k[b]⁻² + Σ_B γ_k[a]⁻² R̂_k[b,b]``."""
-    pd = torch.diagonal(b.Ph, dim1=-2, dim2=-1)  # (G, kA, f)
-    rd = torch.diagonal(b.Rh, dim1=-2, dim2=-1)
-    if b.uniform:
-        return pd.sum(1)[:, :, None] * b.l.pow(-2)[:, None, :] + b.g.pow(-2)[:, :, None] * rd.sum(1)[:, None, :]
-    la = b.la if b.la is not None else torch.ones_like(pd)
-    ga = b.ga if b.ga is not None else torch.ones_like(rd)
-    return torch.einsum("gka,gkb->gab", pd, la) + torch.einsum("gka,gkb->gab", ga, rd)
 
 
 def _plane_rows(r: _Rows, P, Q):

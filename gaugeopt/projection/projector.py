@@ -42,9 +42,9 @@ they are left out of the joint solve — same span, better conditioned (``lrm_qk
 ``lrm_internal`` alone are nearly parallel when the multipliers dominate the rows of ``W̄``).
 
 **Modes** (:data:`MODES`, checked by :func:`check_mode`). ``"exact"``: the Sylvester solve.
-``"approx"``: a fixed number (``approx_iters``) of Jacobi-preconditioned conjugate-gradient steps
-on the same normal equations, without eigendecompositions, warm-started from the best multiple
-of the previous call's coefficients. CG minimises the norm of the vertical part it leaves behind
+``"approx"``: a fixed number (``approx_iters``) of conjugate-gradient steps on the same normal
+equations, preconditioned by one ADI step (two Cholesky factorisations, no eigendecomposition),
+warm-started from the best multiple of the previous call's coefficients. CG minimises the norm of the vertical part it leaves behind
 over a space containing its start, so ``"approx"`` never leaves more vertical part than the
 field had (:func:`~gaugeopt.projection.sylvester.batched_pcg`); ``last_info`` reports the
 relative residual of the normal equations (``approx_residual``) and an estimate of the vertical
@@ -182,6 +182,13 @@ class _Ctx:
             )
 
 
+def _names_of(sec) -> list[str]:
+    """Parameter names a sector object touches."""
+    if isinstance(sec, DenseSector):
+        return list(dict.fromkeys(r.name for r in sec.refs()))
+    return sec.param_names()
+
+
 def _accessor(store: dict[str, torch.Tensor]):
     def acc(x: TensorRef | str) -> torch.Tensor:
         if isinstance(x, str):
@@ -231,7 +238,7 @@ class GaugeProjector:
         cg_maxiter: int = 200,
         joint_tol: float | None = None,
         joint_maxiter: int = 500,
-        approx_iters: int = 8,
+        approx_iters: int = 4,
         backend: str = "auto",
     ) -> None:
         dispatch.requested_backend(backend)  # validates the argument and GAUGEOPT_BACKEND now
@@ -292,10 +299,7 @@ class GaugeProjector:
 
     # ------------------------------------------------------------------ structure
     def _sector_names(self, sector: str) -> list[str]:
-        sec = self._impl[sector]
-        if isinstance(sec, DenseSector):
-            return list(dict.fromkeys(r.name for r in sec.refs()))
-        return sec.param_names()
+        return _names_of(self._impl[sector])
 
     def param_names(self, sectors: Sequence[str] | None = None) -> list[str]:
         """Names of the parameters the given sectors (default: the chosen ones) touch, in model order."""
@@ -375,10 +379,11 @@ class GaugeProjector:
         self._rtol_now = default_rtol(self._dtype_now) if self.rtol is None else self.rtol
         self._cg_tol_now = default_rtol(self._dtype_now) if self.cg_tol is None else self.cg_tol
 
-    def _vertical_family(self, ctx, preps, family, work, record=None, coeffs=None, out=None):
-        """Add the family's vertical part of ``work`` into ``out`` (zeros over its names by default)."""
+    def _vertical_family(self, ctx, family, work, record=None, coeffs=None, out=None):
+        """Add the vertical part of ``work`` in ``family`` (``[(sector, prepared)]``) into ``out``
+        (zeros over its names by default)."""
         if out is None:
-            names = [n for s in family for n in self._sector_names(s)]
+            names = [n for sec, _ in family for n in _names_of(sec)]
             out = {n: torch.zeros_like(work[n]) for n in dict.fromkeys(names)}
         rec = record
         if coeffs is not None:
@@ -387,8 +392,8 @@ class GaugeProjector:
                 coeffs[key] = coeffs[key] + coef if key in coeffs else coef
                 if record is not None:
                     record(sector, unit, coef, vsq, usq)
-        for s in family:
-            self._impl[s].apply(ctx, preps[s], _accessor(work), _accessor(out), rec)
+        for sec, prep in family:
+            sec.apply(ctx, prep, _accessor(work), _accessor(out), rec)
         return out
 
     def _run(self, given: dict, secs: tuple[str, ...], at, coeffs=None, unit_norms=None):
@@ -405,18 +410,29 @@ class GaugeProjector:
             fam1 = [s for s in fam1 if _REDUNDANT.get(s) not in fam1]
             if ctx.mode == "approx":  # exact sector projections inside, the joint CG truncated
                 ctx.mode = "exact"
-        preps = {s: self._impl[s].prepare(ctx) for s in (fam1 + fam2)}
         info = ctx.info
         if not joint:
             record = None
             if unit_norms is not None:
                 def record(sector, unit, coef, vsq, usq):
                     unit_norms[(sector, unit)] = (float(vsq), float(usq))
-            vert = self._vertical_family(ctx, preps, fam1 or fam2, work, record, coeffs)
+            family = [(self._impl[s], self._impl[s].prepare(ctx)) for s in (fam1 or fam2)]
+            vert = self._vertical_family(ctx, family, work, record, coeffs)
             info.update(joint_iterations=0, joint_residual=0.0)
         else:
+            # lrm_internal units outside the first family's support (the MLP's LRM layers) are orthogonal
+            # to everything else: projected once, outside the joint CG, whose vectors then span attention only
+            first = [(self._impl[s], self._impl[s].prepare(ctx)) for s in fam1]
+            inner, outer = self._impl["lrm_internal"].split({n for s in fam1 for n in self._sector_names(s)})
+            second = [(inner, inner.prepare(ctx))] if inner.units() else []
+            joint_names = dict.fromkeys(n for sec, _ in first + second for n in _names_of(sec))
             maxiter = self.approx_iters if self.mode == "approx" else self.joint_maxiter
-            vert, info_j = self._joint(ctx, preps, fam1, fam2, work, coeffs, maxiter)
+            if second:
+                vert, info_j = self._joint(ctx, first, second, {n: work[n] for n in joint_names}, coeffs, maxiter)
+            else:
+                vert, info_j = self._vertical_family(ctx, first, work, coeffs=coeffs), {"joint_iterations": 0, "joint_residual": 0.0}
+            if outer.units():
+                vert.update(self._vertical_family(ctx, [(outer, outer.prepare(ctx))], work, coeffs=coeffs))
             info.update(info_j)
         if hasattr(ctx, "_left_sq"):  # approx: ‖error‖ estimate over ‖u‖ (tensors, read lazily)
             usq = sum(torch.linalg.vector_norm(work[n]).double().square() for n in names)
@@ -449,7 +465,7 @@ class GaugeProjector:
         hor = {n: work[n] - vert[n] for n in vert}
         return Decomposition(vert, hor, coeffs, unit_norms, info)
 
-    def _joint(self, ctx, preps, fam1, fam2, u, coeffs, maxiter):
+    def _joint(self, ctx, fam1, fam2, u, coeffs, maxiter):
         """Projection onto ``V1 + V2`` for two overlapping families with exact projectors ``P1, P2``.
 
         Writing the vertical part as ``a1 + a2`` (``a1 ∈ V1``, ``a2 = P2(u − a1)``), ``a1`` solves
@@ -471,7 +487,7 @@ class GaugeProjector:
 
             def P(fam, x, c=None):
                 out = torch.zeros_like(U)
-                self._vertical_family(ctx, preps, fam, views(x), coeffs=c, out=views(out))
+                self._vertical_family(ctx, fam, views(x), coeffs=c, out=views(out))
                 return out
 
             def axpy(a, x, y):
@@ -487,7 +503,7 @@ class GaugeProjector:
 
             def P(fam, x, c=None):
                 out = zero()
-                self._vertical_family(ctx, preps, fam, x, coeffs=c, out=out)
+                self._vertical_family(ctx, fam, x, coeffs=c, out=out)
                 return out
 
             def axpy(a, x, y):
