@@ -6,6 +6,9 @@ as a real model (``gaugeopt.models.GPT``: embeddings, blocks, head) and every op
 its fastest round (CPU; on CUDA the median of ``triton.testing.do_bench``). Ratios, never
 absolute times from different runs, are what the table is for.
 
+On CPU the clock is the compute thread's CPU time (one intra-op thread, ``--threads``):
+preemption by other jobs on a shared machine is not counted, contention for memory bandwidth is.
+
 Shapes (``MODELS``): ``gpt-4l128`` (the 4-layer, width-128 char model of
 ``benchmarks/vertical_fraction.py``, 12×128 tokens), ``gpt2-124m`` (12 L, 12 H, d 768),
 ``gpt2-1.5b`` (48 L, 25 H, d 1600), ``llama-gqa`` (Llama-3-8B-like: 32 L, 32 query / 8 KV heads,
@@ -29,6 +32,11 @@ Rows (``ms`` per call):
 * ``train step``: forward, backward and fused AdamW of the whole model on B×T tokens (eager on
   CPU; ``torch.compile`` + bf16 autocast on CUDA); ``LRM/plain`` rows: the AdamW step over the
   blocks and the tokens/s of the LRM model relative to the plain one.
+* ``gpt2-124m-whole``: the whole GPT-2 124M model (all 12 layers, embeddings, head) for the ops
+  whose cost does not grow like the layers' weights — ``adamw model`` (one fused AdamW step over
+  every parameter, condition-C groups with multipliers), ``gaugefix`` against it, and the
+  LRM/plain AdamW and tokens/s ratios at full depth (column ``×AdamW blocks`` holds the ratio to
+  ``adamw model`` there).
 
 ``GB/s``: the minimum traffic of the op (every tensor read once, every output written once;
 AdamW 7 accesses per entry) over its time, and its share of a measured device copy.
@@ -69,6 +77,8 @@ MODELS = {
                       gpu_tokens=(12, 128)),
     "gpt2-124m": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304), tokens=(1, 256), cpu_layers=2,
                       gpu_tokens=(8, 1024)),
+    "gpt2-124m-whole": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304), tokens=(1, 256), cpu_layers=12,
+                            gpu_tokens=None, whole=True),
     "gpt2-1.5b": dict(cfg=dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50304), tokens=None, cpu_layers=1,
                       gpu_tokens=None),
     "llama-gqa": dict(cfg=dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, rope="split_half", norm="rmsnorm",
@@ -79,6 +89,7 @@ SMOKE = {
     "gpt-tiny": dict(cfg=dict(n_layer=2, n_head=4, n_embd=32, vocab_size=64), tokens=(2, 16), cpu_layers=2),
     "gqa-tiny": dict(cfg=dict(n_layer=1, n_head=4, n_kv_head=2, n_embd=32, rope="split_half", norm="rmsnorm", mlp="swiglu",
                               bias=False, vocab_size=64, tie_weights=False), tokens=(2, 16), cpu_layers=1),
+    "gpt-tiny-whole": dict(cfg=dict(n_layer=2, n_head=4, n_embd=32, vocab_size=64), tokens=(2, 16), cpu_layers=2, whole=True),
 }
 
 
@@ -104,7 +115,11 @@ def copy_gbps(device: torch.device, bench) -> float:
 
 
 def make_bench(device: torch.device, rounds: int):
-    """``bench({name: fn}) -> {name: ms}``: interleaved rounds, fastest (CPU) or median (CUDA)."""
+    """``bench({name: fn}) -> {name: ms}``: interleaved rounds, fastest (CPU) or median (CUDA).
+
+    On CPU the time is the compute thread's CPU time (``time.thread_time``; one intra-op thread),
+    so that preemption by other jobs on a shared machine does not count; contention for memory
+    bandwidth still does."""
     if device.type == "cuda":
         import triton.testing
 
@@ -119,9 +134,9 @@ def make_bench(device: torch.device, rounds: int):
             f()
         for _ in range(rounds):
             for k, f in fns.items():
-                t0 = time.perf_counter()
+                t0 = time.thread_time_ns()
                 f()
-                ms = (time.perf_counter() - t0) * 1e3
+                ms = (time.thread_time_ns() - t0) / 1e6
                 best[k] = min(best.get(k, math.inf), ms)
         return best
 
@@ -184,11 +199,56 @@ def gemm_floor(site, device: torch.device, bench) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------------- one shape
+def measure_whole(name: str, spec: dict, layers: int, tokens, device, bench, out: list, deadline: float) -> None:
+    """AdamW over the whole model, GaugeFix against it, and the LRM/plain ratios at full depth."""
+    rows = {}
+    for variant in ("plain", "lrm"):
+        if time.time() > deadline:
+            rows[(variant, "all")] = dict(model=name, layers=layers, params=variant, op="all", ms=None,
+                                          note="skipped: time budget spent")
+            continue
+        model = build(spec, layers, variant == "lrm", device, tokens[1] if tokens else 64)
+        groups = _groups(model, variant)
+        gen = torch.Generator(device=device).manual_seed(2)
+        for p in model.parameters():
+            p.grad = 1e-3 * torch.randn(p.shape, generator=gen, device=device)
+        opt = torch.optim.AdamW(groups, lr=1e-4, fused=True)
+        opt.step()
+        sites = gaugeopt.find_attention(model)
+        fns = {"adamw model": opt.step, "gaugefix": gaugeopt.GaugeFixer(None, opt, sites=sites, backend="torch")}
+        nb = {"adamw model": adamw_bytes(list(model.parameters())), "gaugefix": gaugefix_bytes(sites, opt)}
+        if tokens:
+            fns["train step"] = _train_step(model, groups, tokens, device, compiled=False)
+        ms = bench(fns)
+        for k, v in ms.items():
+            note = {"gaugefix": "multipliers" if variant == "lrm" else "W_Q/W_K rows + Adam state",
+                    "train step": f"{tokens[0]}×{tokens[1]} tokens, eager" if tokens else ""}.get(k, "")
+            rows[(variant, k)] = dict(model=name, layers=layers, params=variant, op=k, ms=v, bytes=nb.get(k),
+                                      x_blocks=v / ms["adamw model"], note=note)
+        del fns, opt, model, groups
+        gc.collect()
+    for op, label, invert in (("adamw model", "LRM/plain adamw model", False), ("train step", "LRM/plain tokens/s", True)):
+        p, l_ = rows.get(("plain", op), {}).get("ms"), rows.get(("lrm", op), {}).get("ms")
+        if p and l_:
+            rows[("lrm", label)] = dict(model=name, layers=layers, params="lrm", op=label, ms=None,
+                                        ratio=p / l_ if invert else l_ / p, note="whole model")
+    out.extend(rows.values())
+
+
+def _groups(model, variant: str) -> list[dict]:
+    """Paper 002's condition-C groups with multipliers; decay on matrices only without."""
+    if variant == "lrm":
+        return gaugeopt.lrm_param_groups(model, "C", lr=1e-4)
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
 def measure(name: str, spec: dict, layers: int, tokens, device, bench, rounds: int, out: list, deadline: float,
             compile_tokens: bool) -> None:
+    if spec.get("whole"):
+        return measure_whole(name, spec, layers, tokens, device, bench, out, deadline)
     on_gpu = device.type == "cuda"
     T = tokens[1] if tokens else 64
-    models = {v: build(spec, layers, v == "lrm", device, T) for v in ("plain", "lrm")}
     full = spec["cfg"]["n_layer"]
     print(f"{name}: {layers}/{full} layers, tokens {tokens}", flush=True)
     rows = {}
@@ -196,17 +256,16 @@ def measure(name: str, spec: dict, layers: int, tokens, device, bench, rounds: i
     def row(variant, op, ms, nbytes_=None, note=""):
         rows[(variant, op)] = dict(model=name, layers=layers, params=variant, op=op, ms=ms, bytes=nbytes_, note=note)
 
-    for variant, model in models.items():
+    for variant in ("plain", "lrm"):  # one model at a time (memory)
         if time.time() > deadline:
             row(variant, "all", None, note="skipped: time budget spent")
             continue
+        model = build(spec, layers, variant == "lrm", device, T)
         sites = gaugeopt.find_attention(model)
         named = dict(model.named_parameters())
         attn = [named[n] for n in dict.fromkeys(n for s in sites for n in s.parameter_names())]
         blocks = [p for n, p in model.named_parameters() if ".h." in n]
-        groups = (gaugeopt.lrm_param_groups(model, "C", lr=1e-4) if variant == "lrm" else
-                  [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-                   {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}])
+        groups = _groups(model, variant)
         block_ids = {id(p) for p in blocks}
         block_groups = [{**g, "params": [p for p in g["params"] if id(p) in block_ids]} for g in groups]
         block_groups = [g for g in block_groups if g["params"]]
@@ -262,9 +321,7 @@ def measure(name: str, spec: dict, layers: int, tokens, device, bench, rounds: i
         if on_gpu or variant == "plain":
             fl, rate = gemm_floor(sites[0], device, bench)
             row(variant, "gemm floor (qk+vo)", fl * len(sites), note=f"bmm {rate:.0f} GFLOP/s on the Gram shape; eigh excluded")
-        del fns, times, opt_attn, opt_blocks, fixer, u
-        for p in model.parameters():
-            p.grad = None
+        del fns, times, opt_attn, opt_blocks, fixer, u, model, named, attn, blocks, groups, block_groups
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()
@@ -288,8 +345,6 @@ def measure(name: str, spec: dict, layers: int, tokens, device, bench, rounds: i
         rows[("lrm", "LRM/plain tokens/s")] = dict(model=name, layers=layers, params="lrm", op="LRM/plain tokens/s",
                                                    ms=None, ratio=pt / lt, note=rows[("lrm", "train step")]["note"])
     out.extend(rows.values())
-    del models
-    gc.collect()
 
 
 def _train_step(model, groups, tokens, device, compiled: bool):
@@ -340,7 +395,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", default=None, help="comma list of MODELS (default: all)")
     ap.add_argument("--layers", type=int, default=None, help="layers per model (default: the model's cpu_layers on CPU, all on CUDA)")
-    ap.add_argument("--rounds", type=int, default=3, help="CPU: interleaved rounds, the fastest counts")
+    ap.add_argument("--rounds", type=int, default=5, help="CPU: interleaved rounds, the fastest counts")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU intra-op threads (default 1: on a shared machine OpenMP spin-waiting dominates otherwise)")
     ap.add_argument("--budget-s", type=float, default=None, help="skip the remaining rows after this many seconds")
@@ -362,7 +417,8 @@ def main(argv=None) -> int:
     head = dict(machine=machine(device), torch=torch.__version__, threads=torch.get_num_threads() if not on_gpu else "-",
                 copy_gbps=copy_gbps(device, bench), load_before=load_before,
                 timing=("Times: median of `triton.testing.do_bench`." if on_gpu else
-                        f"Times: fastest of {rounds} interleaved rounds (`perf_counter`)."))
+                        f"Times: CPU time of the single compute thread (`time.thread_time`: preemption by other jobs "
+                        f"excluded, memory contention not), fastest of {rounds} interleaved rounds."))
     rows: list[dict] = []
     for name in names:
         spec = catalog[name]

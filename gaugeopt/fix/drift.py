@@ -98,10 +98,12 @@ def read_mean_squares(side: PairSide, members: Sequence[Member], dtype: torch.dt
     return side.grouped(total / length)
 
 
-def slot_rms(ms: torch.Tensor, slot: torch.Tensor, n_slots: int) -> torch.Tensor:
+def slot_rms(ms: torch.Tensor, slot: torch.Tensor, n_slots: int, onehot: torch.Tensor | None = None) -> torch.Tensor:
     """RMS per slot: ``ms: (..., n, width)`` mean squares → ``(..., n_slots)``, averaging over
-    the ``n`` heads of a group and the channels of each slot (all rows have equal length)."""
-    onehot = torch.nn.functional.one_hot(slot.to(ms.device), n_slots).to(ms.dtype)  # (width, n_slots)
+    the ``n`` heads of a group and the channels of each slot (all rows have equal length).
+    ``onehot``: ``one_hot(slot, n_slots)`` in ``ms``'s dtype and device, if the caller keeps it."""
+    if onehot is None:
+        onehot = torch.nn.functional.one_hot(slot.to(ms.device), n_slots).to(ms.dtype)  # (width, n_slots)
     count = onehot.sum(0) * ms.shape[-2]
     return ((ms.sum(-2) @ onehot) / count).sqrt()
 

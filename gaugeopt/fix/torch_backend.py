@@ -83,6 +83,26 @@ class TorchFix:
         self._batches = list(batches.values())
         self._sharded = sharded
         self._slots = {}
+        self._jobs = None if sharded else [self._view_jobs(ks) for ks in self._batches]
+
+    def _view_jobs(self, ks: list[int]) -> dict:
+        """The in-place rescales of one batch, built once (the views stay valid while the storage
+        does; :class:`~gaugeopt.fix.gaugefix.GaugeFixer` builds a new backend when it moves):
+        ``{(side, kind, axis, dtype): (views, rows)}`` with ``kind`` 1 for a parameter (factor
+        ``gauge·magnitude``) and ``-k`` for a state entry divided by ``gauge**k``."""
+        jobs: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
+        for side_i, side in enumerate("ab"):
+            for row, k in enumerate(ks):
+                plan = self.plans[k]
+                for m in (plan.members_a if side == "a" else plan.members_b):
+                    p = m.ref.param
+                    axis = m.broadcast_axis
+                    for t, kind in ((p.detach(), 1), *((t, -power) for t, power in self.state.get(id(p), ()))):
+                        v = m.ref.view(t)
+                        views, rows = jobs[(side_i, kind, axis, v.dtype)]
+                        views.append(v)
+                        rows.append(row)
+        return dict(jobs)
 
     @torch.no_grad()
     def run(self) -> list[PairNumbers]:
@@ -92,10 +112,12 @@ class TorchFix:
         results: list = [None] * len(plans)
         for ks, (ms_a, ms_b) in zip(self._batches, stats):
             first = plans[ks[0]]
-            slot = self._slots.get((ks[0], ms_a.device))
-            if slot is None:
-                slot = self._slots[(ks[0], ms_a.device)] = first.slot.to(ms_a.device)
-            bal = balance_factors(ms_a, ms_b, slot, first.n_slots, **self.options)
+            key = (ks[0], ms_a.device, ms_a.dtype)
+            if key not in self._slots:
+                slot = first.slot.to(ms_a.device)
+                self._slots[key] = (slot, torch.nn.functional.one_hot(slot, first.n_slots).to(ms_a.dtype))
+            slot, onehot = self._slots[key]
+            bal = balance_factors(ms_a, ms_b, slot, first.n_slots, onehot=onehot, **self.options)
             self._rescale(ks, bal.gauge_a, bal.gauge_b, bal.magnitude)
             for row, k in enumerate(ks):
                 results[k] = PairNumbers(bal.drift_before[row], bal.drift_after[row], bal.product_before[row],
@@ -108,34 +130,31 @@ class TorchFix:
             self._rescale(ks, *(torch.stack([factors[k][i] for k in ks]) for i in range(3)))
 
     def _rescale(self, ks: list[int], gauge_a, gauge_b, magnitude) -> None:
-        (self._apply_storage if self._sharded else self._apply_views)(ks, gauge_a, gauge_b, magnitude)
+        if self._sharded:
+            self._apply_storage(ks, gauge_a, gauge_b, magnitude)
+        else:
+            self._apply_views(self._jobs[self._batches.index(ks)], ks, gauge_a, gauge_b, magnitude)
 
-    def _apply_views(self, ks: list[int], gauge_a, gauge_b, magnitude) -> None:
+    def _apply_views(self, jobs: dict, ks: list[int], gauge_a, gauge_b, magnitude) -> None:
         """Side a by ``gauge_a·magnitude``, side b by ``gauge_b·magnitude``, through each member's
         view; the state of each parameter by the gauge part alone (times ``gauge**-k``: a
         multiplication by the small factor's power, which a CPU vectorises where it does not
-        vectorise a broadcast division)."""
-        work: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
-        for side_i, (gauge, plans_sides) in enumerate(((gauge_a, "a"), (gauge_b, "b"))):
-            side0 = getattr(self.plans[ks[0]], plans_sides)
-            g_heads = _per_head(gauge, side0.repeat)  # (L, heads, width)
-            m_heads = _per_head(magnitude, side0.repeat)
-            f_param = g_heads * m_heads
-            for row, k in enumerate(ks):
-                plan = self.plans[k]
-                for m in (plan.members_a if side_i == 0 else plan.members_b):
-                    p = m.ref.param
-                    axis = m.broadcast_axis
-                    fp = f_param[row] if axis is None else f_param[row].unsqueeze(axis)
-                    v = m.ref.view(p.detach())
-                    _queue(work, v, fp, 1)
-                    states = self.state.get(id(p), ())
-                    if states:
-                        fg = g_heads[row] if axis is None else g_heads[row].unsqueeze(axis)
-                        for t, power in states:
-                            _queue(work, m.ref.view(t), fg, -power)
-        for (power, _), (views, factors) in work.items():  # powers of the small factors, then one pass each
-            torch._foreach_mul_(views, factors if power == 1 else torch._foreach_pow(factors, power))
+        vectorise a broadcast division). One stacked operation per kind of factor, one
+        ``_foreach_mul_`` per kind of tensor."""
+        first = self.plans[ks[0]]
+        gauges = (_per_head(gauge_a, first.a.repeat), _per_head(gauge_b, first.b.repeat))  # (L, heads, width)
+        mags = (_per_head(magnitude, first.a.repeat), _per_head(magnitude, first.b.repeat))
+        for (side_i, kind, axis, dtype), (views, rows) in jobs.items():
+            f = gauges[side_i] * mags[side_i] if kind == 1 else gauges[side_i].pow(kind)
+            if axis is not None:
+                f = f.unsqueeze(axis + 1)
+            per_row = f.to(dtype).unbind(0) if dtype not in _HALF else f.unbind(0)
+            factors = [per_row[r] for r in rows]
+            if dtype in _HALF:  # computed in float32, rounded once
+                for v, fac in zip(views, factors):
+                    rescale_tensor(v, fac, 1)
+            else:
+                torch._foreach_mul_(views, factors)
 
     def _apply_storage(self, ks: list[int], gauge_a, gauge_b, magnitude) -> None:
         """The same through one storage-layout factor per parameter (shard-local for a DTensor)."""
@@ -160,15 +179,7 @@ def _per_head(t: torch.Tensor, k: int) -> torch.Tensor:
     return t if k == 1 else t.repeat_interleave(k, dim=1)
 
 
-def _queue(work, view: torch.Tensor, factor: torch.Tensor, power: int) -> None:
-    """Collect ``view ← view · factor**power`` for one foreach call per (power, dtype); 16-bit
-    tensors are computed in float32 and rounded once (:func:`~gaugeopt.fix.transport.rescale_tensor`)."""
-    if view.dtype in (torch.float16, torch.bfloat16):
-        rescale_tensor(view, factor, power)
-        return
-    views, factors = work[(power, view.dtype)]
-    views.append(view)
-    factors.append(factor.to(view.dtype))
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _mean_squares(plans: Sequence[PairPlan], ks: list[int], side: str) -> torch.Tensor:

@@ -242,8 +242,7 @@ class InternalSector:
             tr, tc = [], []
             for blk in blocks:  # right-hand sides: ⟨generator, u⟩
                 n = blk.names
-                dW = u(n["weight"])[blk.rows]
-                WdW = blk.W * dW
+                WdW = blk.W * u(n["weight"])[blk.rows]
                 t_r = blk.r * u(n["r"]) - WdW.sum(1)
                 if blk.b is not None:
                     t_r = t_r - blk.b * u(n["bias"])[blk.rows]
