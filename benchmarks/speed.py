@@ -188,13 +188,16 @@ def gaugefix_bytes(sites, opt) -> int:
 
 def gemm_floor(site, device: torch.device, bench) -> tuple[float, float]:
     """``(ms, GFLOP/s)``: the exact qk+vo projection's three ``n×n×m`` products per head and side of
-    one layer at the bmm rate measured on the Gram shape ``(h, d_k, d) @ (h, d, d_k)``."""
-    h, n, m = site.h, site.d_k, site.d_model
-    A = torch.randn(h, n, m, device=device)
+    one layer (Gram, cross term, vertical part; ``n`` the dense block's width: the non-rotary
+    channels for ``qk``, whose RoPE planes are a closed form) at the bmm rate measured on the
+    Gram shape ``(h, d_v, d) @ (h, d, d_v)``."""
+    h, m = site.h, site.d_model
+    n_qk = site.d_k - site.rope.rotary_dim if site.rope.active else site.d_k
+    A = torch.randn(h, site.d_v, m, device=device)
     ms = bench({"bmm": lambda: torch.bmm(A, A.mT)})["bmm"]
-    rate = 2 * h * n * n * m / ms / 1e6
-    heads_sides = 2 * site.h + 2 * site.h_kv  # Q and O sides hold h heads, K and V sides h_kv
-    flops = 3 * 2 * heads_sides * n * n * (m + 1)
+    rate = 2 * h * site.d_v**2 * m / ms / 1e6
+    heads = site.h + site.h_kv  # per pair: h query (or O) heads, h_kv key (or V) heads
+    flops = 3 * 2 * heads * (n_qk**2 + site.d_v**2) * (m + 1)
     return flops / rate / 1e6, rate
 
 

@@ -119,9 +119,10 @@ class TorchFix:
             slot, onehot = self._slots[key]
             bal = balance_factors(ms_a, ms_b, slot, first.n_slots, onehot=onehot, **self.options)
             self._rescale(ks, bal.gauge_a, bal.gauge_b, bal.magnitude)
-            for row, k in enumerate(ks):
-                results[k] = PairNumbers(bal.drift_before[row], bal.drift_after[row], bal.product_before[row],
-                                         bal.product_after[row], bal.changed[row])
+            per_plan = zip(*(t.unbind(0) for t in (bal.drift_before, bal.drift_after, bal.product_before,
+                                                    bal.product_after, bal.changed)))
+            for k, fields in zip(ks, per_plan):
+                results[k] = PairNumbers(*fields)
         return results
 
     def _apply(self, factors: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:

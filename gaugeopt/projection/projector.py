@@ -477,40 +477,58 @@ class GaugeProjector:
         tol = default_rtol(self._dtype_now) if self.joint_tol is None else self.joint_tol
         names = list(u)
         if len({t.device for t in u.values()}) == 1:
-            # one flat buffer: the CG vector operations are single kernels, the sectors see views
+            # one flat buffer: the CG vector operations are single in-place kernels, the sectors see views
             sizes, shapes = [u[n].numel() for n in names], [u[n].shape for n in names]
 
             def views(flat):
                 return {n: t.view(shape) for n, t, shape in zip(names, flat.split(sizes), shapes)}
 
             U = torch.cat([u[n].reshape(-1) for n in names])
+            bufs: dict[int, torch.Tensor] = {}
 
-            def P(fam, x, c=None):
-                out = torch.zeros_like(U)
+            def P(fam, x, c=None, keep=False):
+                """The family's vertical part of ``x``, into a reused buffer (a new one with ``keep``)."""
+                out = torch.zeros_like(U) if keep else bufs.setdefault(id(fam), torch.empty_like(U)).zero_()
                 self._vertical_family(ctx, fam, views(x), coeffs=c, out=views(out))
                 return out
 
-            def axpy(a, x, y):
-                return y + a * x
+            def axpy_(a, x, y):  # y += a·x
+                return y.add_(x, alpha=a)
+
+            def xpby_(x, b, y):  # y = x + b·y
+                return y.mul_(b).add_(x)
 
             def dot(x, y):
                 return float(torch.dot(x, y))
+
+            def copy(x):
+                return x.clone()
 
             zero = lambda: torch.zeros_like(U)  # noqa: E731
             u_vec, unflat = U, views
         else:  # parameters on several devices: the same algorithm on dicts of tensors
             zero = lambda: {n: torch.zeros_like(u[n]) for n in names}  # noqa: E731
 
-            def P(fam, x, c=None):
+            def P(fam, x, c=None, keep=False):
                 out = zero()
                 self._vertical_family(ctx, fam, x, coeffs=c, out=out)
                 return out
 
-            def axpy(a, x, y):
-                return {n: y[n] + a * x[n] for n in names}
+            def axpy_(a, x, y):
+                for n in names:
+                    y[n].add_(x[n], alpha=a)
+                return y
+
+            def xpby_(x, b, y):
+                for n in names:
+                    y[n].mul_(b).add_(x[n])
+                return y
 
             def dot(x, y):
                 return sum(float((x[n] * y[n]).sum()) for n in names)
+
+            def copy(x):
+                return {n: x[n].clone() for n in names}
 
             u_vec, unflat = u, lambda d: d
         u = u_vec
@@ -519,33 +537,37 @@ class GaugeProjector:
         a1 = zero()
         iters = 0
         while True:
-            w = axpy(-1.0, P(fam2, axpy(-1.0, a1, u)), axpy(-1.0, a1, u))  # (I − P2)(u − a1)
-            r = P(fam1, w)  # true residual of the reduced system = the part of w still in V1
+            w = axpy_(-1.0, a1, copy(u))  # u − a1
+            w = axpy_(-1.0, P(fam2, w), w)  # (I − P2)(u − a1)
+            r = P(fam1, w, keep=True)  # true residual of the reduced system = the part of w still in V1
             res = math.sqrt(dot(r, r)) / unorm
             if res <= tol or iters >= maxiter:
                 break
-            p, rr, delta = r, dot(r, r), zero()
+            p, rr, delta = copy(r), dot(r, r), zero()
             while iters < maxiter:
-                Sp = P(fam1, axpy(-1.0, P(fam2, p), p))
+                q = axpy_(-1.0, P(fam2, p), copy(p))  # (I − P2) p
+                Sp = P(fam1, q)
                 pSp = dot(p, Sp)
                 if pSp <= 0:
                     break
                 alpha = rr / pSp
-                delta, r = axpy(alpha, p, delta), axpy(-alpha, Sp, r)
+                axpy_(alpha, p, delta)
+                axpy_(-alpha, Sp, r)
                 iters += 1
                 rr_new = dot(r, r)
                 if math.sqrt(rr_new) / unorm <= 0.1 * tol:
                     break
-                p, rr = axpy(rr_new / rr, p, r), rr_new
-            a1 = axpy(1.0, delta, a1)
+                xpby_(r, rr_new / rr, p)
+                rr = rr_new
+            axpy_(1.0, delta, a1)
         if res > tol and self.mode != "approx":
             self._warn_once(
                 f"gauge projection (joint): conjugate gradients stopped after {iters} iterations with {res:.2e} of "
                 f"‖u‖ still vertical (joint_tol={tol:.1e}); the sector families are nearly parallel here, raise joint_maxiter"
             )
-        a1 = P(fam1, a1, coeffs)  # coefficients of both parts, in Lie-algebra coordinates
-        a2 = P(fam2, axpy(-1.0, a1, u), coeffs)
-        vert = unflat(axpy(1.0, a1, a2))
+        a1 = P(fam1, a1, coeffs, keep=True)  # coefficients of both parts, in Lie-algebra coordinates
+        a2 = P(fam2, axpy_(-1.0, a1, copy(u)), coeffs, keep=True)
+        vert = unflat(axpy_(1.0, a2, a1))
         return vert, {"joint_iterations": iters, "joint_residual": res}
 
     # ------------------------------------------------------------------ kernel routing
