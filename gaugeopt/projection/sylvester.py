@@ -136,10 +136,10 @@ class ShiftedSylvester:
     Example:
         >>> import torch
         >>> from gaugeopt.projection.sylvester import ShiftedSylvester
-        >>> P = torch.diag(torch.tensor([4.0, 1.0], dtype=torch.float64))[None]
-        >>> C = ShiftedSylvester(P, P)
-        >>> [round(float(v), 4) for v in C(torch.eye(2, dtype=torch.float64)[None]).diagonal(dim1=-2, dim2=-1)[0]]
-        [0.1308, 0.5551]
+        >>> P = torch.diag(torch.tensor([4.0, 1.0], dtype=torch.float64))[None]  # R = P: eigenvalues 4 and 1
+        >>> C, X = ShiftedSylvester(P, P), torch.eye(2, dtype=torch.float64)[None]
+        >>> [round(float(v), 4) for v in C(P @ X + X @ P).diagonal(dim1=-2, dim2=-1)[0]]  # 2p·2λ/(λ+p)², p = 2.5
+        [0.9467, 0.8163]
     """
 
     def __init__(self, P: torch.Tensor, R: torch.Tensor) -> None:
