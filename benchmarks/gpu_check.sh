@@ -9,7 +9,7 @@
 #   4. bf16 drift (110 s)        benchmarks/bf16_drift_training.py: GPT-2 124M with LRM, condition C, 300 steps,
 #                                float32 vs bf16 autocast, Q/K and V/O drift every 10 steps
 #
-# Hardware: one CUDA GPU (written for an H100 80GB or H200; llama-gqa runs 8 of its 32 layers so that
+# Hardware: one CUDA GPU (written for an H100 80GB or H200; llama-gqa runs 4 of its 32 layers so that
 # fp32 AdamW state fits). Image: torch + triton + pytest (+ lightning, transformers for the test zoo).
 # Launch, from the repository root:
 #     OUT=/path/to/out bash benchmarks/gpu_check.sh

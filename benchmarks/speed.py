@@ -13,7 +13,8 @@ Shapes (``MODELS``): ``gpt-4l128`` (the 4-layer, width-128 char model of
 ``benchmarks/vertical_fraction.py``, 12×128 tokens), ``gpt2-124m`` (12 L, 12 H, d 768),
 ``gpt2-1.5b`` (48 L, 25 H, d 1600), ``llama-gqa`` (Llama-3-8B-like: 32 L, 32 query / 8 KV heads,
 d_k 128, d 4096, split-half RoPE, SwiGLU 14336, no biases, 32k vocabulary). On CPU a few layers
-of each (column ``layers``), on CUDA all of them (``llama-gqa``: 8, so that AdamW's state fits).
+of each (column ``layers``), on CUDA all of them (``llama-gqa``: 4, so that AdamW's state and the
+projection's temporaries fit an 80 GB GPU).
 
 Rows (``ms`` per call):
 
@@ -30,7 +31,7 @@ Rows (``ms`` per call):
   ``n×n×m`` products per head and side (Gram, cross term, vertical part) at the bmm rate measured
   on that shape: the time no implementation of the exact method can beat here.
 * ``train step``: forward, backward and fused AdamW of the whole model on B×T tokens (eager on
-  CPU; ``torch.compile`` + bf16 autocast on CUDA); ``LRM/plain`` rows: the AdamW step over the
+  CPU; ``torch.compile`` + bf16 autocast on CUDA for ``gpt2-124m``, eager for the others); ``LRM/plain`` rows: the AdamW step over the
   blocks and the tokens/s of the LRM model relative to the plain one.
 * ``gpt2-124m-whole``: the whole GPT-2 124M model (all 12 layers, embeddings, head) for the ops
   whose cost does not grow like the layers' weights — ``adamw model`` (one fused AdamW step over
@@ -76,14 +77,14 @@ MODELS = {
     "gpt-4l128": dict(cfg=dict(n_layer=4, n_head=4, n_embd=128, vocab_size=96), tokens=(12, 128), cpu_layers=4,
                       gpu_tokens=(12, 128)),
     "gpt2-124m": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304), tokens=(1, 256), cpu_layers=2,
-                      gpu_tokens=(8, 1024)),
+                      gpu_tokens=(8, 1024), compile=True),
     "gpt2-124m-whole": dict(cfg=dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50304), tokens=(1, 256), cpu_layers=12,
                             gpu_tokens=None, whole=True),
     "gpt2-1.5b": dict(cfg=dict(n_layer=48, n_head=25, n_embd=1600, vocab_size=50304), tokens=None, cpu_layers=1,
                       gpu_tokens=None),
     "llama-gqa": dict(cfg=dict(n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, rope="split_half", norm="rmsnorm",
                                mlp="swiglu", mlp_hidden=14336, bias=False, vocab_size=32000, tie_weights=False),
-                      tokens=None, cpu_layers=1, gpu_layers=8, gpu_tokens=None),
+                      tokens=None, cpu_layers=1, gpu_layers=4, gpu_tokens=None),
 }
 SMOKE = {
     "gpt-tiny": dict(cfg=dict(n_layer=2, n_head=4, n_embd=32, vocab_size=64), tokens=(2, 16), cpu_layers=2),
@@ -220,11 +221,15 @@ def measure_whole(name: str, spec: dict, layers: int, tokens, device, bench, out
         sites = gaugeopt.find_attention(model)
         fns = {"adamw model": opt.step, "gaugefix": gaugeopt.GaugeFixer(None, opt, sites=sites, backend="torch")}
         nb = {"adamw model": adamw_bytes(list(model.parameters())), "gaugefix": gaugefix_bytes(sites, opt)}
+        if device.type == "cuda":
+            fns["gaugefix triton"] = gaugeopt.GaugeFixer(None, opt, sites=sites, backend="triton")
+            nb["gaugefix triton"] = nb["gaugefix"]
         if tokens:
             fns["train step"] = _train_step(model, groups, tokens, device, compiled=False)
         ms = bench(fns)
         for k, v in ms.items():
-            note = {"gaugefix": "multipliers" if variant == "lrm" else "W_Q/W_K rows + Adam state",
+            what = "multipliers" if variant == "lrm" else "W_Q/W_K rows + Adam state"
+            note = {"gaugefix": what, "gaugefix triton": what,
                     "train step": f"{tokens[0]}×{tokens[1]} tokens, eager" if tokens else ""}.get(k, "")
             rows[(variant, k)] = dict(model=name, layers=layers, params=variant, op=k, ms=v, bytes=nb.get(k),
                                       x_blocks=v / ms["adamw model"], note=note)
@@ -431,7 +436,8 @@ def main(argv=None) -> int:
         layers = args.layers or (spec.get("gpu_layers", spec["cfg"]["n_layer"]) if on_gpu else spec["cpu_layers"])
         tokens = spec.get("gpu_tokens") if on_gpu else spec.get("tokens")
         try:
-            measure(name, spec, layers, tokens, device, bench, rounds, rows, deadline, on_gpu and not args.no_compile)
+            measure(name, spec, layers, tokens, device, bench, rounds, rows, deadline,
+                    on_gpu and spec.get("compile", False) and not args.no_compile)
         except torch.cuda.OutOfMemoryError as err:  # recorded; the next shape still runs
             rows.append(dict(model=name, layers=layers, params="-", op="all", ms=None, note=f"out of memory: {err}"[:160]))
             gc.collect()
