@@ -1,25 +1,32 @@
 #!/usr/bin/env bash
-# GPU check of gaugeopt's Triton kernels: the CUDA kernel tests (float32, bfloat16, float16) and
-# the kernel benchmarks, on one H100/H200 in about 6 minutes (at most ~8 with every timeout hit), offline.
+# GPU check of gaugeopt in one call of at most 8 minutes (~7 with every stage at its timeout), offline:
+#   1. install (30 s)            editable install, or a sitecustomize shim mapping gaugeopt.kernels onto kernels/
+#   2. tests (100 s)             the CUDA tests: Triton kernels in float32/bf16/fp16, dispatch, the dense
+#                                projection's CUDA layout against float64 on CPU
+#   3. speed (210 s)             benchmarks/speed.py --device cuda: every model shape and op, ratios to one fused
+#                                AdamW step, GB/s against a measured copy, LRM/plain tokens/s under
+#                                torch.compile + bf16 (gpt2-124m); stops starting rows after BENCH_BUDGET_S
+#   4. bf16 drift (110 s)        benchmarks/bf16_drift_training.py: GPT-2 124M with LRM, condition C, 300 steps,
+#                                float32 vs bf16 autocast, Q/K and V/O drift every 10 steps
 #
-# Hardware: one CUDA GPU (written for an H100 80GB or H200; the 7B-shaped stack needs ~60 GB).
-# Image: torch 2.11 + triton 3.6 + lightning 2.6.6 + pytest + transformers (no internet needed).
+# Hardware: one CUDA GPU (written for an H100 80GB or H200; llama-gqa runs 4 of its 32 layers so that
+# fp32 AdamW state fits). Image: torch + triton + pytest (+ lightning, transformers for the test zoo).
 # Launch, from the repository root:
 #     OUT=/path/to/out bash benchmarks/gpu_check.sh
-# Writes at most 7 files to $OUT (default benchmarks/results/gpu): summary.txt, gpu_tests.log,
-# bench.log, kernels_<device>.{csv,md}, kernels_<device>_compile.{csv,md}.
-# Every stage has its own timeout; a failing stage does not stop the next; summary.txt says
-# which passed. Knobs: PYTHON (default python3), BENCH_BUDGET_S, the *_TIMEOUT variables below.
+# Writes to $OUT (default benchmarks/results/gpu): summary.txt, gpu_tests.log, speed.log,
+# speed_<device>.{md,json}, drift.log, bf16_drift_<device>.json. Every stage has its own timeout; a failing
+# stage does not stop the next; summary.txt says which passed. Knobs: PYTHON (default python3), the
+# *_TIMEOUT variables and BENCH_BUDGET_S below.
 
 set -x
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
 PY=${PYTHON:-python3}
-INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-60}
-TEST_TIMEOUT=${TEST_TIMEOUT:-150}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
-BENCH_BUDGET_S=${BENCH_BUDGET_S:-120}
-COMPILE_TIMEOUT=${COMPILE_TIMEOUT:-90}
+INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-30}
+TEST_TIMEOUT=${TEST_TIMEOUT:-100}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-210}
+BENCH_BUDGET_S=${BENCH_BUDGET_S:-170}
+DRIFT_TIMEOUT=${DRIFT_TIMEOUT:-110}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -50,26 +57,27 @@ else
   status install "gaugeopt.kernels importable" $rc $((SECONDS - t0))
 fi
 
-# ---------------------------------------------------------------- 2. kernel tests on CUDA (incl. bf16/fp16)
+# ---------------------------------------------------------------- 2. CUDA tests (incl. bf16/fp16)
 t0=$SECONDS
 timeout "$TEST_TIMEOUT" $PY -m pytest tests/test_kernels_gpu.py tests/test_kernels_dispatch.py -q -rA \
   -p no:cacheprovider --tb=short >> "$OUT/gpu_tests.log" 2>&1
 rc=$?
 status tests "$(tail -n 1 "$OUT/gpu_tests.log")" $rc $((SECONDS - t0))
 
-# ---------------------------------------------------------------- 3. benchmarks (every layer; the 7B stack second)
+# ---------------------------------------------------------------- 3. speed: every shape, every op, one table
 t0=$SECONDS
-timeout "$BENCH_TIMEOUT" $PY benchmarks/kernels_bench.py --models gpt2-124m,llama-7b,gpt2-355m,gpt2-1.5b \
-  --max-layers 0 --compile none --budget-s "$BENCH_BUDGET_S" --out "$OUT" > "$OUT/bench.log" 2>&1
+timeout "$BENCH_TIMEOUT" $PY benchmarks/speed.py --device cuda --budget-s "$BENCH_BUDGET_S" --out "$OUT" \
+  > "$OUT/speed.log" 2>&1
 rc=$?
-status bench "$(grep -c 'ms ' "$OUT/bench.log") rows" $rc $((SECONDS - t0))
+status speed "$(grep -c '^| ' "$OUT/speed.log") table lines" $rc $((SECONDS - t0))
 
-# ---------------------------------------------------------------- 4. torch.compile of the references (GPT-2 124M)
+# ---------------------------------------------------------------- 4. bf16 drift at GPT-2 124M shape
 t0=$SECONDS
-timeout "$COMPILE_TIMEOUT" $PY benchmarks/kernels_bench.py --models gpt2-124m --max-layers 0 --compile gpt2-124m \
-  --tag compile --out "$OUT" >> "$OUT/bench.log" 2>&1
+DEV=$($PY -c "import re, torch; print(re.sub('[^a-z0-9]+', '-', torch.cuda.get_device_name().lower()).strip('-'))" 2>/dev/null || echo gpu)
+timeout "$DRIFT_TIMEOUT" $PY benchmarks/bf16_drift_training.py --device cuda --steps 300 --every 10 --tokens 8x512 \
+  --json "$OUT/bf16_drift_$DEV.json" > "$OUT/drift.log" 2>&1
 rc=$?
-status compile "$(grep -c 'torch.compile' "$OUT/bench.log") compiled rows" $rc $((SECONDS - t0))
+status drift "$(grep -c '^| [0-9]' "$OUT/drift.log") curve rows" $rc $((SECONDS - t0))
 
 # ---------------------------------------------------------------- summary
 set +x
@@ -77,5 +85,7 @@ echo "==================== summary ($OUT)"
 cat "$SUMMARY"
 echo "==================== failures (tests)"
 grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20
-for md in "$OUT"/kernels_*.md; do [ -f "$md" ] && { echo "==================== $md"; cat "$md"; }; done
+for md in "$OUT"/speed_*.md; do [ -f "$md" ] && { echo "==================== $md"; cat "$md"; }; done
+echo "==================== bf16 drift"
+cat "$OUT/drift.log"
 ls -la "$OUT"

@@ -114,9 +114,12 @@ def test_vertical_report_is_consistent():
     r2 = vertical_report(model, w)
     assert r2.units[("qk", site.name)] == pytest.approx(r2.sectors["qk"], rel=1e-12)
     assert r2.sectors["vo"] == 0.0 and r2.units[("qk", gaugeopt.find_attention(model)[1].name)] == 0.0
-    # approx mode: what Algorithm 2 leaves behind is the defect
-    ra = vertical_report(model, u, mode="approx")
+    # paper000 mode: what Algorithm 2 leaves behind is the defect
+    ra = vertical_report(model, u, mode="paper000")
     assert ra.defect > 1e-2 and abs(ra.total - rep.total) > 1e-3
+    # approx mode (truncated CG): it leaves less than it found, and less than Algorithm 2
+    rc = vertical_report(model, u, mode="approx")
+    assert rc.defect < 1e-2 * rep.total and rc.defect < ra.defect
     with pytest.raises(GaugeError, match="zero"):
         vertical_report(model, {n: torch.zeros_like(t) for n, t in u.items()})
 

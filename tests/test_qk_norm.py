@@ -15,7 +15,6 @@ full-width norm sums the heads in float32 and a head permutation moves its logit
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -84,6 +84,7 @@ def balance_factors(
     eps: float = 1e-12,
     product_decay: float | None = None,
     product_max: float | None = None,
+    onehot: torch.Tensor | None = None,
 ) -> Balance:
     """Gauge factors from per-channel mean squares — pure, batched, no parameter access.
 
@@ -92,13 +93,14 @@ def balance_factors(
         ms_b: ``(L, G, n_b, C)`` the same for side b (K or O).
         slot: ``(C,)`` long, slot of each channel; ``n_slots`` their number.
         eps, product_decay, product_max: see :func:`gaugeopt.gauge_fix`.
+        onehot: ``one_hot(slot, n_slots)`` in the statistics' dtype and device, if the caller keeps it.
 
     Returns:
         :class:`Balance`. ``drift_after`` is computed from the rescaled scales
         ``m·s_a/g, m·s_b·g`` (equal to a re-measurement up to the rounding of the writes).
     """
-    s_a = slot_rms(ms_a, slot, n_slots)  # (L, G, S)
-    s_b = slot_rms(ms_b, slot, n_slots)
+    s_a = slot_rms(ms_a, slot, n_slots, onehot)  # (L, G, S)
+    s_b = slot_rms(ms_b, slot, n_slots, onehot)
     g = ((s_a + eps) / (s_b + eps)).sqrt()
     product = s_a * s_b
     m = torch.ones_like(g)
@@ -107,7 +109,7 @@ def balance_factors(
     if product_max is not None:
         m = m * (product_max / (product * m * m).clamp_min(torch.finfo(product.dtype).tiny)).clamp(max=1.0).sqrt()
     new_a, new_b = m * s_a / g, m * s_b * g
-    idx = slot.to(g.device)
+    idx = slot if slot.device == g.device else slot.to(g.device)
     return Balance(
         gauge_a=(1.0 / g)[..., idx],
         gauge_b=g[..., idx],

@@ -45,7 +45,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn as nn
 
-from gaugeopt.distributed import full
+from gaugeopt.distributed import full, is_dtensor
 from gaugeopt.fix.plan import PairPlan, check_fix_options, plan_pairs
 from gaugeopt.fix.transport import reduced_ref
 from gaugeopt.structure.pair import Member, PairSide
@@ -71,7 +71,10 @@ def read_mean_squares(side: PairSide, members: Sequence[Member], dtype: torch.dt
 
     For a multiplier it is ``r²``; for stored rows the mean of the squares of the whole
     augmented row ``[W[c, :] | b[c]]`` (or O column); for a QK-norm gain ``(g + offset)²`` (its
-    LayerNorm bias is not measured). Computed in at least float32.
+    LayerNorm bias is not measured). Computed in at least float32. A plain tensor is reduced
+    through the member's own view (one pass over its rows, no temporary; a fused QKV weight's
+    other rows are not read); a DTensor (FSDP2) is reduced over its whole storage and gathered
+    (:func:`gaugeopt.distributed.full`).
     """
     total, length = None, 0
     for member in members:
@@ -79,23 +82,36 @@ def read_mean_squares(side: PairSide, members: Sequence[Member], dtype: torch.dt
             continue
         p = member.ref.param.detach()
         cdt = dtype or torch.promote_types(p.dtype, torch.float32)
-        rref, axis, _ = reduced_ref(member)
-        x = p.to(cdt) + member.offset if member.offset else p.to(cdt)
-        if axis is None:
-            sq = full(x * x)
-            length += 1
+        if not is_dtensor(p):
+            v = member.ref.view(p)
+            axis = member.broadcast_axis
+            if axis is None:
+                sq = (v.to(cdt) + member.offset).square() if member.offset else v.to(cdt).square()
+                length += 1
+            else:
+                sq = torch.linalg.vector_norm(v, dim=axis, dtype=cdt).square()
+                length += v.shape[axis]
+            v = sq.reshape(side.heads, -1)
         else:
-            sq = full((x * x).sum(dim=axis, keepdim=True))
-            length += p.shape[axis]
-        v = rref.view(sq).reshape(side.heads, -1)
+            rref, axis, _ = reduced_ref(member)
+            x = p.to(cdt) + member.offset if member.offset else p.to(cdt)
+            if axis is None:
+                sq = full(x * x)
+                length += 1
+            else:
+                sq = full((x * x).sum(dim=axis, keepdim=True))
+                length += p.shape[axis]
+            v = rref.view(sq).reshape(side.heads, -1)
         total = v if total is None else total + v
     return side.grouped(total / length)
 
 
-def slot_rms(ms: torch.Tensor, slot: torch.Tensor, n_slots: int) -> torch.Tensor:
+def slot_rms(ms: torch.Tensor, slot: torch.Tensor, n_slots: int, onehot: torch.Tensor | None = None) -> torch.Tensor:
     """RMS per slot: ``ms: (..., n, width)`` mean squares → ``(..., n_slots)``, averaging over
-    the ``n`` heads of a group and the channels of each slot (all rows have equal length)."""
-    onehot = torch.nn.functional.one_hot(slot.to(ms.device), n_slots).to(ms.dtype)  # (width, n_slots)
+    the ``n`` heads of a group and the channels of each slot (all rows have equal length).
+    ``onehot``: ``one_hot(slot, n_slots)`` in ``ms``'s dtype and device, if the caller keeps it."""
+    if onehot is None:
+        onehot = torch.nn.functional.one_hot(slot.to(ms.device), n_slots).to(ms.dtype)  # (width, n_slots)
     count = onehot.sum(0) * ms.shape[-2]
     return ((ms.sum(-2) @ onehot) / count).sqrt()
 

@@ -145,6 +145,7 @@ class GaugeFixer:
         self._runner = None
         self._key = None
         self._certified = False
+        self._classified: dict[int, tuple] = {}
         self.decision: dispatch.Decision | None = None
 
     def _classify(self) -> tuple[dict[str, list[str]], StateMap]:
@@ -155,13 +156,27 @@ class GaugeFixer:
         if self.optimizer is None:
             return outcome, state
         opt = unwrap_optimizer(self.optimizer)
-        whats = [(pid, name, p, classify_state(opt, p, unknown_state=self.unknown_state))
-                 for pid, (name, p) in self._params.items()]
-        for pid, name, p, what in whats:
+        whats = []
+        for pid, (name, p) in self._params.items():
+            st = opt.state.get(p)
+            # a parameter's state dict keeps its keys and tensors between steps: classified once
+            # (the cache holds the dict and its values, so an identity match cannot be a reused id)
+            sig = (st, tuple(st.items())) if st else None
+            hit = self._classified.get(pid)
+            if hit is not None and sig is not None and hit[0][0] is st and len(hit[0][1]) == len(sig[1]) and all(
+                    ka == kb and va is vb for (ka, va), (kb, vb) in zip(hit[0][1], sig[1])):
+                whats.append((pid, name, p, hit[1], hit[2]))
+                continue
+            what = classify_state(opt, p, unknown_state=self.unknown_state)
+            entries = [(t, k) for _, t, k in transport_entries(opt, p)] if what == "transported" else None
+            if sig is not None and what == "transported":
+                self._classified[pid] = (sig, what, entries)
+            whats.append((pid, name, p, what, entries))
+        for pid, name, p, what, entries in whats:
             if what == "reset":
                 opt.state.pop(p, None)
             elif what == "transported":
-                state[pid] = [(t, k) for _, t, k in transport_entries(opt, p)]
+                state[pid] = entries
             if what in outcome:
                 outcome[what].append(name)
         return outcome, state
@@ -194,12 +209,11 @@ class GaugeFixer:
         outcome, state = self._classify()
         runner = self._backend_for(state)
         numbers = runner.run()
-        counts = torch.stack([n.changed.sum() for n in numbers]).tolist() if numbers else []  # one host sync
         report = GaugeFixReport(**outcome, backend=runner.name)
-        for plan, n, c in zip(self.plans, numbers, counts):
+        for plan, n in zip(self.plans, numbers):  # tensors: nothing waits for the device until the report is read
             report.pairs.append(PairRecord(
                 plan.site.name, plan.site.layer_index, plan.kind, plan.mode, plan.granularity,
-                n.drift_before, n.drift_after, n.product_before, n.product_after, int(c) * plan.heads_per_group,
+                n.drift_before, n.drift_after, n.product_before, n.product_after, n.changed, plan.heads_per_group,
             ))
         return report
 

@@ -26,7 +26,8 @@ class PairRecord:
     """What the fix did to one gauge of one layer (tensors ``(h_kv, n_slots)``).
 
     ``heads_fixed`` counts the query heads (Q/K) or KV heads (V/O) whose factor differed from 1
-    beyond rounding in at least one slot (:func:`gaugeopt.fix.balance.changed_groups`).
+    beyond rounding in at least one slot (:func:`gaugeopt.fix.balance.changed_groups`); it is read
+    from the ``changed`` tensor when asked for, so a fix itself never waits for the device.
     """
 
     name: str
@@ -38,7 +39,12 @@ class PairRecord:
     drift_after: torch.Tensor
     product_before: torch.Tensor
     product_after: torch.Tensor
-    heads_fixed: int
+    changed: torch.Tensor  # (h_kv,) bool
+    heads_per_group: int = 1
+
+    @property
+    def heads_fixed(self) -> int:
+        return int(self.changed.sum()) * self.heads_per_group
 
 
 @dataclass
@@ -78,8 +84,13 @@ class GaugeFixReport:
 
     @property
     def heads_fixed(self) -> int:
-        """Query heads (Q/K) whose factor differed from 1 beyond rounding in at least one slot."""
-        return sum(p.heads_fixed for p in self._of("qk"))
+        """Query heads (Q/K) whose factor differed from 1 beyond rounding in at least one slot
+        (one host synchronisation)."""
+        recs = self._of("qk")
+        if not recs:
+            return 0
+        counts = torch.stack([p.changed.sum() * p.heads_per_group for p in recs])
+        return int(counts.sum())
 
     def per_layer(self, kind: str = "qk", attr: str = "drift_after") -> list[float]:
         """``attr`` (``drift_before``, ``product_after``, ...) max per layer."""

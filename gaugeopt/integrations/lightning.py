@@ -191,7 +191,9 @@ class GaugeProjection(ProjectSteps, _StepCounter):
     :class:`gaugeopt.GaugeProjected`, sharing its step functions.
 
     Args:
-        mode: ``"exact"`` (Sylvester) or ``"approx"`` (paper 000 Algorithm 2).
+        mode: ``"exact"`` (Sylvester), ``"approx"`` (a few preconditioned CG steps, never leaving
+            more vertical part than there was; ``approx_iters=`` in ``projector_kwargs``) or
+            ``"paper000"`` (paper 000 Algorithm 2, for comparison), see :mod:`gaugeopt.projection.projector`.
         target: ``"update"`` (project the step the optimizer actually took, weight decay and
             all) or ``"grad"`` (project the gradients in ``on_before_optimizer_step``: after
             accumulation and AMP unscaling, before gradient clipping).

@@ -75,7 +75,7 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
-from gaugeopt.projection.projector import MODES, GaugeProjector
+from gaugeopt.projection.projector import MODES, GaugeProjector, check_mode
 from gaugeopt.projection.step import remove_vertical_grad_, remove_vertical_update_, snapshot, vertical_fraction_of
 
 __all__ = ["GaugeProjected"]
@@ -92,7 +92,10 @@ class GaugeProjected(torch.optim.Optimizer):
         model: the model whose attention gauges are projected out.
         project: ``"update"`` (project the step actually taken), ``"grad"``, or ``None`` (no
             projection: GaugeFix alone; needs ``fix_every``).
-        mode: ``"exact"`` (Sylvester) or ``"approx"`` (paper 000 Algorithm 2).
+        mode: ``"exact"`` (Sylvester), ``"approx"`` (a few preconditioned CG steps: never leaves more
+            vertical part than the step had; ``approx_iters`` sets how many) or ``"paper000"``
+            (paper 000 Algorithm 2, for comparison: it can add vertical part), see
+            :mod:`gaugeopt.projection.projector`.
         fix_every: run GaugeFix (``gaugeopt.gauge_fix(model, optimizer=inner, **fix_kwargs)``)
             after every this many steps.
         sectors: ``"auto"`` or a subset of :data:`gaugeopt.projection.projector.SECTORS`.
@@ -142,8 +145,7 @@ class GaugeProjected(torch.optim.Optimizer):
                     f"GaugeProjected: {extra} configure the projection, which project=None turns off; drop them or "
                     "pass project='update'"
                 )
-        if mode not in MODES:
-            raise GaugeError(f"GaugeProjected: mode={mode!r} is not one of {MODES}")
+        check_mode(mode, "GaugeProjected")
         if fix_every is not None and (isinstance(fix_every, bool) or not isinstance(fix_every, int) or fix_every < 1):
             raise GaugeError(f"GaugeProjected: fix_every={fix_every!r} must be a positive integer or None")
         if project == "grad" and isinstance(optimizer, torch.optim.LBFGS):

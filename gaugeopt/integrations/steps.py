@@ -365,7 +365,8 @@ class ProjectSteps(StepCounter):
     calls :meth:`project_grads` once the closure has produced them.
 
     Args:
-        mode: ``"exact"`` (Sylvester) or ``"approx"`` (paper 000 Algorithm 2).
+        mode: ``"exact"`` (Sylvester), ``"approx"`` (a few preconditioned CG steps, never leaving more
+            vertical part than the step had) or ``"paper000"`` (paper 000 Algorithm 2, for comparison).
         target: ``"update"`` or ``"grad"``.
         sectors: ``"auto"`` or a subset of :data:`gaugeopt.projection.projector.SECTORS`.
         log_every: report ``{prefix}vertical_fraction_{target}`` (the fraction removed) every this
@@ -389,10 +390,10 @@ class ProjectSteps(StepCounter):
         certify: bool = True,
         **projector_kwargs: Any,
     ) -> None:
-        from gaugeopt.projection.projector import MODES as PROJECTION_MODES
+        from gaugeopt.projection.projector import check_mode
 
         super().__init__(check_every(log_every, "log_every"), sites, prefix, certify)
-        check_choice("mode", mode, PROJECTION_MODES)
+        check_mode(mode, type(self).__name__)
         check_choice("target", target, ("update", "grad"))
         self.mode, self.target, self.sectors = mode, target, sectors
         self.projector_kwargs = projector_kwargs

@@ -23,7 +23,7 @@ follows its row multiplier).
 
 Normal equations (least squares in the parameters' Frobenius metric)::
 
-    Σ_A P̂_k M Λ_k⁻² + Σ_B Γ_k⁻² M R̂_k = S,     P̂_k = Λ_k a_k a_kᵀ Λ_k,  R̂_k = Γ_k b_k b_kᵀ Γ_k,
+    K(M) = Σ_A P̂_k M Λ_k⁻² + Σ_B Γ_k⁻² M R̂_k = S,     P̂_k = Λ_k a_k a_kᵀ Λ_k,  R̂_k = Γ_k b_k b_kᵀ Γ_k,
     S = Σ_A Λ_k a_k du_kᵀ Λ_k⁻¹ − Σ_B Γ_k⁻¹ du_k b_kᵀ Γ_k.
 
 When the twists of a group agree (no LRM; or LRM without GQA) the substitution
@@ -33,18 +33,35 @@ LRM + GQA the per-head twists differ and the system is solved by preconditioned 
 
 **RoPE.** ``X`` must commute with the rotations: ``a·I + b·J`` on each plane ``(p, q)``, free
 on the non-rotary block. The images of ``I_m`` and ``J_m`` live on the rows ``p, q`` only, so
-planes are mutually orthogonal and orthogonal to the free block: each plane is a 2×2 problem.
-Without twists ``⟨g_I, g_J⟩ = tr(J P_mm) − tr(J R_mm) = 0`` (``J`` antisymmetric, the blocks
-symmetric) and ``‖g_I‖² = ‖g_J‖² = tr P_mm + tr R_mm`` (``J`` is a rotation of the plane),
-so ``a = (S_pp + S_qq)/N``, ``b = (S_qp − S_pq)/N``; with twists the 2×2 Gram is solved.
+planes are mutually orthogonal and orthogonal to the free block: each plane is a 2×2 problem
+(solved in closed form, :func:`_solve_2x2`). Without twists ``⟨g_I, g_J⟩ = tr(J P_mm) − tr(J R_mm) = 0``
+(``J`` antisymmetric, the blocks symmetric) and ``‖g_I‖² = ‖g_J‖² = tr P_mm + tr R_mm``, so
+``a = (S_pp + S_qq)/N``, ``b = (S_qp − S_pq)/N``; with twists the 2×2 Gram is solved.
 
-Modes: ``"exact"`` as above; ``"approx"`` is paper 000 Algorithm 2 — two one-sided
+**Modes.** ``"exact"`` as above. ``"approx"``: a fixed number of CG steps on the same normal
+equations ``K(M) = S``, preconditioned by one ADI step of the (reparametrised) Sylvester pair
+(:class:`~gaugeopt.projection.sylvester.ShiftedSylvester`: two Cholesky factorisations, no
+eigendecomposition), started from the best multiple of the previous call's coefficients
+(:func:`~gaugeopt.projection.sylvester.batched_pcg`):
+CG minimises the ``K``-norm of the coefficient error, which *is* the norm of the vertical part
+left behind, over a space that contains the start, so the approximation never leaves more
+vertical part than there was. ``"paper000"``: paper 000 Algorithm 2 — two one-sided
 pseudo-inverse estimates ``Y_A = P̃⁺ S̃_A``, ``Y_B = S̃_B R̃⁺`` symmetrised, ``Y = ½(Y_A + Y_B)``
 (exact when ``P̃ = R̃ = I``; with GQA the one-sided estimate is the pseudo-inverse of the
-stacked query heads). RoPE planes use their closed form in both modes.
+stacked query heads). RoPE planes use their closed form in every mode.
+
+**Implementation.** The rows are views into the stored tensors (``TensorRef``; the O columns a
+strided view, never a permuted copy); a bias is a rank-one term of the Gram and cross matrices
+(``P = W Wᵀ + b bᵀ``, one ``baddbmm``), and the row subsets of a RoPE layer (planes, the free
+block) are slices. Per batch of equally shaped sites: one ``bmm`` per side for the Grams, one
+for the cross terms, one solve for every KV group of every layer, one ``baddbmm`` per side that
+adds the vertical part into the output in place. On CUDA the sites of a batch are stacked along
+the head axis so that each of those is one call for all layers (:data:`STACK_SITES`); on CPU the
+views are used directly, one call per layer.
 
 Cost per KV group: Gram and cross terms ``O(k·n²·m)`` (``k`` member heads, ``m`` the model
-width), one ``O(n³)`` eigendecomposition of each of ``P̃, R̃``, ``O(n³)`` to apply.
+width), the vertical part ``O(k·n²·m)``, one ``O(n³)`` eigendecomposition of each of ``P̃, R̃``
+(exact) or ``O(iters·n³)`` (approx).
 
 Example:
     >>> import torch, gaugeopt
@@ -60,31 +77,57 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.pair import PairSide
 from gaugeopt.structure.site import AttentionSite, TensorRef
-from . import sylvester
-from gaugeopt.projection.sylvester import SylvesterInverse, psd_solve, twisted_cg
+from gaugeopt.projection import sylvester
+from gaugeopt.projection.sylvester import ShiftedSylvester, SylvesterInverse, batched_pcg
 
-__all__ = ["DenseSector"]
+__all__ = ["DenseSector", "STACK_SITES"]
 
-
-def _gather(side: PairSide, src) -> torch.Tensor:
-    """``(groups, repeat, n, m)`` rows of the side (bias appended as a last column)."""
-    w = side.rows(src(side.weight))
-    if side.bias is not None:
-        w = torch.cat([w, src(side.bias)[..., None]], dim=-1)
-    return side.grouped(w)
+# Whether the sites of one batch are stacked along the head axis (one bmm for all layers, at the
+# price of copying their rows) or handled one view at a time: "auto" stacks on CUDA, where a
+# call costs a launch, and not on CPU, where the copy costs more than the call; True/False force it.
+STACK_SITES: str | bool = "auto"
 
 
-def _twist(side: PairSide, src, site: AttentionSite) -> torch.Tensor | None:
+def _index(idx: list[int]) -> slice | None:
+    """Row selection as a ``slice`` (indexing gives a view, so the output can be written through
+    it), ``None`` when empty. RoPE planes (``(2m, 2m+1)`` or ``(m, m + r/2)``) and the free block
+    (the trailing ``d_k − r`` rows) are arithmetic progressions."""
+    if not idx:
+        return None
+    step = idx[1] - idx[0] if len(idx) > 1 else 1
+    if step <= 0 or any(b - a != step for a, b in zip(idx, idx[1:])):
+        raise GaugeError(f"rows {idx} are not an arithmetic progression; no RoPE layout gives such planes")
+    return slice(idx[0], idx[-1] + 1, step)
+
+
+def _sel(t: torch.Tensor | None, idx: slice, dim: int = 1):
+    """``t`` restricted to the rows ``idx`` along ``dim`` (a view)."""
+    return None if t is None else t[(slice(None),) * dim + (idx,)]
+
+
+@dataclass
+class _Rows:
+    """One side of one site in some tensor store: rows ``(heads, n, m)`` and bias ``(heads, n)``."""
+
+    W: torch.Tensor
+    b: torch.Tensor | None
+
+
+def _rows(side: PairSide, acc) -> _Rows:
+    return _Rows(side.rows(acc(side.weight)), None if side.bias is None else acc(side.bias))
+
+
+def _twist(side: PairSide, acc, site: AttentionSite) -> torch.Tensor | None:
     if side.mult is None:
         return None
-    t = side.grouped(src(side.mult))
+    t = acc(side.mult)
     if bool((t == 0).any()):
         raise GaugeError(
             f"{site.name}: multiplier {side.mult.name} has an exact zero; the gauge generators in W̄ coordinates "
@@ -93,79 +136,134 @@ def _twist(side: PairSide, src, site: AttentionSite) -> torch.Tensor | None:
     return t
 
 
-def _scatter(side: PairSide, out, v: torch.Tensor) -> None:
-    """Add ``v (groups, repeat, n, m)`` into the views of ``out`` (a ``ref -> tensor`` accessor)."""
-    v = v.reshape(-1, *v.shape[2:])  # (heads, n, m)
-    if side.bias is not None:
-        out(side.bias).add_(v[..., -1])
-        v = v[..., :-1]
-    out(side.weight).add_(side.unrows(v))
+def _cat(ts: list):
+    """Concatenation along the head axis; the tensor itself (no copy) when there is one."""
+    if ts[0] is None:
+        return None
+    return ts[0] if len(ts) == 1 else torch.cat(ts, 0)
 
 
-def _apply_m(A, lam, B, gam, M):
-    """Generator images ``(Λ⁻¹MᵀΛA, −Γ⁻¹MΓB)`` for ``M (G, n, n)``; ``A (G, kA, n, m)``."""
-    At = A if lam is None else A * lam[..., None]
-    vA = M.mT[:, None] @ At
-    if lam is not None:
-        vA = vA / lam[..., None]
-    Bt = B if gam is None else B * gam[..., None]
-    vB = -(M[:, None] @ Bt)
-    if gam is not None:
-        vB = vB / gam[..., None]
-    return vA, vB
+def _products(x: _Rows, y: _Rows) -> torch.Tensor:
+    """``[W_x | b_x] [W_y | b_y]ᵀ`` per head, ``(heads, f, f)``: one ``baddbmm``, the bias as a rank-one term."""
+    if x.b is None:
+        return torch.bmm(x.W, y.W.mT)
+    return torch.baddbmm(x.b[:, :, None] * y.b[:, None, :], x.W, y.W.mT)
+
+
+def _grouped_sum(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``(heads, ...) → (heads / k, ...)``: the sum over the ``k`` heads of each group."""
+    return t if k == 1 else t.reshape(t.shape[0] // k, k, *t.shape[1:]).sum(1)
+
+
+def _per_head(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``(groups, ...) → (groups·k, ...)``: the group's value for each of its ``k`` heads."""
+    return t if k == 1 else t[:, None].expand(t.shape[0], k, *t.shape[1:]).reshape(-1, *t.shape[1:])
+
+
+def _add_images(Mh: torch.Tensor, src: _Rows, dst: list[_Rows]) -> None:
+    """``dst += Mh · src`` row block by row block (``Mh (heads, f, f)``; ``dst`` one ``_Rows`` per
+    site, together ``heads`` heads): in place into the output's views. A column side (the O
+    weight, rows strided along the model width) is written as ``dstᵀ += srcᵀ Mhᵀ``, the layout
+    BLAS writes in place."""
+    if len(dst) == 1:
+        out = dst[0].W
+        if out.stride(-1) == 1:
+            out.baddbmm_(Mh, src.W)
+        else:
+            out.mT.baddbmm_(src.W.mT, Mh.mT)
+        if src.b is not None:
+            dst[0].b.add_(torch.bmm(Mh, src.b[..., None])[..., 0])
+        return
+    sizes = [d.W.shape[0] for d in dst]
+    torch._foreach_add_([d.W for d in dst], list(torch.bmm(Mh, src.W).split(sizes)))
+    if src.b is not None:
+        torch._foreach_add_([d.b for d in dst], list(torch.bmm(Mh, src.b[..., None])[..., 0].split(sizes)))
 
 
 @dataclass
-class _SiteState:
+class _Site:
+    """Static facts of one site: its sides, the free rows and the RoPE planes (as slices)."""
+
     site: AttentionSite
-    sides: tuple[PairSide, PairSide]
-    A: torch.Tensor
-    lam: torch.Tensor | None
-    B: torch.Tensor
-    gam: torch.Tensor | None
-    plane: dict | None = None  # 2x2 Gram eigendecompositions of the RoPE planes
-    free: torch.Tensor | None = None  # row indices of the dense block
-    batch: object = None  # (key, offset) into the dense batch
-    extras: dict = field(default_factory=dict)
+    sa: PairSide
+    sb: PairSide
+    n: int
+    free: slice | None
+    n_free: int
+    p: slice | None
+    q: slice | None
+    n_planes: int
+
+    def key(self) -> tuple:
+        """Sites with equal keys are solved in one batch (and stacked on CUDA)."""
+        s = self.site
+        sa, sb = self.sa, self.sb
+        return (self.n, self.n_free, self.n_planes, sa.heads, sb.heads, sa.repeat, sb.repeat,
+                sa.weight.shape, sb.weight.shape, sa.bias is not None, sb.bias is not None,
+                sa.mult is not None, sb.mult is not None, s.h_kv)
 
 
 @dataclass
-class _Prepared:
-    states: list[_SiteState]
-    batches: dict
+class _Point:
+    """One site at θ: its rows and twists, and the RoPE planes' 2×2 Grams."""
+
+    st: _Site
+    A: _Rows
+    B: _Rows
+    lam: torch.Tensor | None  # (heads_a, n)
+    gam: torch.Tensor | None  # (heads_b, n)
+    plane: dict | None = None
 
 
 @dataclass
 class _Batch:
-    """All dense problems of one shape, concatenated over sites: solved in one call."""
+    """The dense blocks of equally shaped sites, solved in one call."""
 
-    Ph: torch.Tensor  # (G, kA, n, n) per-member Λ a aᵀ Λ
-    Rh: torch.Tensor  # (G, kB, n, n)
-    la: torch.Tensor | None  # (G, kA, n) λ⁻²   (None: no twist)
-    ga: torch.Tensor | None  # (G, kB, n) γ⁻²
-    l: torch.Tensor  # (G, n) representative twists (exact ones when uniform)
+    points: list[_Point]
+    chunks: list[list[int]]  # indices into points stacked together
+    Ph: torch.Tensor  # (G, kA, f, f) member Grams Λ a aᵀ Λ (kA = 1: summed over the group)
+    Rh: torch.Tensor  # (G, kB, f, f)
+    la: torch.Tensor | None  # (G, kA, f) λ⁻² per member (only when the twists of a group differ)
+    ga: torch.Tensor | None  # (G, kB, f) γ⁻²
+    l: torch.Tensor  # (G, f) representative twists (the exact ones when uniform)
     g: torch.Tensor
     uniform: bool
+    twisted: bool = False
     inv: SylvesterInverse | None = None
+    stacked: dict | None = None  # chunk index -> stacked θ rows (CUDA)
+
+
+@dataclass
+class _Prepared:
+    points: list[_Point]
+    batches: list[_Batch]
 
 
 class DenseSector:
-    """The ``qk`` or ``vo`` sector over a list of attention sites (see the module docstring)."""
+    """The ``qk`` or ``vo`` sector over a list of attention sites (see the module docstring).
 
-    def __init__(self, kind: str, sites: list[AttentionSite]) -> None:
+    Args:
+        kind: ``"qk"`` or ``"vo"``.
+        sites: the attention sites.
+        approx_iters: CG steps of ``mode="approx"``.
+    """
+
+    def __init__(self, kind: str, sites: list[AttentionSite], *, approx_iters: int = 4) -> None:
         if kind not in ("qk", "vo"):
             raise GaugeError(f"DenseSector: kind={kind!r} must be 'qk' or 'vo'")
         self.name = kind
         self.sites = sites
-        self.static = []
+        self.approx_iters = approx_iters
+        self._warm: dict[tuple, torch.Tensor] = {}  # batch key -> the last approx coefficients
+        self.static: list[_Site] = []
         for s in sites:
+            pair = s.pair(kind)
             n = s.d_k if kind == "qk" else s.d_v
-            planes = s.rope.planes(s.d_k) if (kind == "qk" and s.rope.active) else []
+            planes = pair.rope.planes(n) if pair.rope.active else []
             in_plane = {c for pq in planes for c in pq}
-            free = torch.tensor([c for c in range(n) if c not in in_plane], dtype=torch.long)
-            pidx = torch.tensor([p for p, _ in planes], dtype=torch.long)
-            qidx = torch.tensor([q for _, q in planes], dtype=torch.long)
-            self.static.append((n, free, pidx, qidx))
+            free = [c for c in range(n) if c not in in_plane]
+            self.static.append(_Site(s, pair.a, pair.b, n, _index(free), len(free),
+                                     _index([p for p, _ in planes]), _index([q for _, q in planes]), len(planes)))
 
     # ------------------------------------------------------------------ structure
     def refs(self) -> list[TensorRef]:
@@ -183,133 +281,177 @@ class DenseSector:
         return sum(s.h_kv * (s.rope.qk_gauge_dim(s.d_k) if self.name == "qk" else s.d_v**2) for s in self.sites)
 
     # ------------------------------------------------------------------ prepare (depends on θ only)
-    def prepare(self, ctx) -> "_Prepared":
-        states: list[_SiteState] = []
-        pending: dict[tuple, list] = {}
-        for s, (n, free, pidx, qidx) in zip(self.sites, self.static):
-            sa, sb = s.pair(self.name).sides()
-            st = _SiteState(
-                s, (sa, sb), _gather(sa, ctx.weight), _twist(sa, ctx.weight, s),
-                _gather(sb, ctx.weight), _twist(sb, ctx.weight, s),
-            )
-            if len(pidx):
-                st.plane = _plane_prepare(st, pidx.to(ctx.device), qidx.to(ctx.device), ctx.rtol)
-            if len(free):
-                st.free = free.to(ctx.device)
-                key = (len(free), sa.repeat, sb.repeat, st.lam is not None, st.gam is not None)
-                pending.setdefault(key, []).append(st)
-            states.append(st)
-        return _Prepared(states, {key: _batch_prepare(sts, ctx) for key, sts in pending.items()})
+    def prepare(self, ctx) -> _Prepared:
+        points = []
+        by_key: dict[tuple, list[int]] = {}
+        for st in self.static:
+            pt = _Point(st, _rows(st.sa, ctx.weight), _rows(st.sb, ctx.weight),
+                        _twist(st.sa, ctx.weight, st.site), _twist(st.sb, ctx.weight, st.site))
+            if st.n_planes:
+                pt.plane = _plane_prepare(pt, ctx.rtol)
+            if st.n_free:
+                by_key.setdefault(st.key(), []).append(len(points))
+            points.append(pt)
+        batches = [_batch_prepare([points[i] for i in idx], ctx) for idx in by_key.values()]
+        return _Prepared(points, batches)
 
     # ------------------------------------------------------------------ apply (per vector field)
-    def apply(self, ctx, prep: "_Prepared", u, out, record=None) -> None:
-        """Add the vertical part of ``u`` into ``out`` (both ``ref -> view`` accessors)."""
-        states = prep.states
-        vparts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        coef: dict[int, torch.Tensor] = {}
-        for idx, st in enumerate(states):
-            sa, sb = st.sides
-            dA, dB = _gather(sa, u), _gather(sb, u)
-            st.extras = {"dA": dA, "dB": dB}
-            vA, vB = torch.zeros_like(st.A), torch.zeros_like(st.B)
-            n = st.A.shape[-2]
-            coef[idx] = torch.zeros(st.site.h_kv, n, n, dtype=st.A.dtype, device=st.A.device)
-            if st.plane is not None:
-                _plane_apply(st, dA, dB, vA, vB, coef[idx])
-            vparts[idx] = (vA, vB)
-        for key, batch in prep.batches.items():
-            sts = [(i, st) for i, st in enumerate(states) if st.free is not None and _key(st) == key]
-            parts = [_cross(st, st.extras["dA"], st.extras["dB"], st.free) for _, st in sts]
-            SA, SB = torch.cat([a for a, _ in parts]), torch.cat([b for _, b in parts])
-            M = _batch_solve(batch, SA, SB, ctx, self.name)
+    def apply(self, ctx, prep: _Prepared, u, out, record=None) -> None:
+        """Add the vertical part of ``u`` into ``out`` (both ``ref -> view`` accessors).
+
+        With ``record``, ``out`` must be zero on the sector's entries (its norms are read there)."""
+        coefs = {} if record is not None else None
+        for pt in prep.points:
+            if pt.plane is not None:
+                _plane_apply(pt, u, out, coefs)
+        for bi, batch in enumerate(prep.batches):
+            key = batch.points[0].st.key()
+            d = [(_sel_rows(_rows(pt.st.sa, u), pt.st.free), _sel_rows(_rows(pt.st.sb, u), pt.st.free))
+                 for pt in batch.points]
+            SA, SB = [], []
+            for ci, chunk in enumerate(batch.chunks):
+                A, B, lam, gam = _chunk_theta(batch, ci)
+                dA = _Rows(_cat([d[i][0].W for i in chunk]), _cat([d[i][0].b for i in chunk]))
+                dB = _Rows(_cat([d[i][1].W for i in chunk]), _cat([d[i][1].b for i in chunk]))
+                sa, sb = _cross(A, dA, lam, B, dB, gam, batch.points[0].st)
+                SA.append(sa)
+                SB.append(sb)
+            M = _batch_solve(batch, _cat(SA), _cat(SB), ctx, self, key)
             off = 0
-            for i, st in sts:
-                G = st.site.h_kv
-                Mi = M[off : off + G]
+            for ci, chunk in enumerate(batch.chunks):
+                A, B, lam, gam = _chunk_theta(batch, ci)
+                st = batch.points[chunk[0]].st
+                G = st.site.h_kv * len(chunk)
+                Mc = M[off : off + G]
                 off += G
-                F = st.free
-                A, B = st.A[..., F, :], st.B[..., F, :]
-                lam = None if st.lam is None else st.lam[..., F]
-                gam = None if st.gam is None else st.gam[..., F]
-                vA_f, vB_f = _apply_m(A, lam, B, gam, Mi)
-                vparts[i][0][..., F, :] += vA_f
-                vparts[i][1][..., F, :] += vB_f
-                coef[i][:, F[:, None], F[None, :]] = Mi
-        for i, st in enumerate(states):
-            vA, vB = vparts[i]
-            _scatter(st.sides[0], out, vA)
-            _scatter(st.sides[1], out, vB)
-            if record is not None:
-                dA, dB = st.extras["dA"], st.extras["dB"]
-                record(self.name, st.site.name, coef[i], vA.square().sum() + vB.square().sum(),
-                       dA.square().sum() + dB.square().sum())
-            st.extras = {}
+                Ma, Mb = _head_matrices(Mc, lam, gam, st)
+                outs = [(_sel_rows(_rows(batch.points[i].st.sa, out), st.free),
+                         _sel_rows(_rows(batch.points[i].st.sb, out), st.free)) for i in chunk]
+                _add_images(Ma, A, [o[0] for o in outs])
+                _add_images(Mb, B, [o[1] for o in outs])
+                if coefs is not None:
+                    for j, i in enumerate(chunk):
+                        pt = batch.points[i]
+                        c = coefs.setdefault(id(pt), _zero_coef(pt))
+                        h = st.site.h_kv
+                        _set_block(c, st.free, Mc[j * h : (j + 1) * h])
+        if record is None:
+            return
+        for pt in prep.points:
+            sa, sb = pt.st.sa, pt.st.sb
+            vsq = _sq(_rows(sa, out)) + _sq(_rows(sb, out))
+            usq = _sq(_rows(sa, u)) + _sq(_rows(sb, u))
+            record(self.name, pt.st.site.name, coefs.get(id(pt), _zero_coef(pt)), vsq, usq)
 
     # ------------------------------------------------------------------ explicit generators
-    def basis(self, ctx, prep: "_Prepared"):
-        """Yield ``(label, {ref: image})`` for a basis of the sector's Lie algebra (small models).
+    def basis(self, ctx, prep: _Prepared):
+        """Yield ``(label, write)`` for a basis of the sector's Lie algebra (small models).
 
         Planes: ``I_m``, ``J_m`` per KV group; the dense block: every elementary matrix."""
-        for st, (n, free, pidx, qidx) in zip(prep.states, self.static):
-            G = st.site.h_kv
+        for pt in prep.points:
+            st = pt.st
+            n, G = st.n, st.site.h_kv
+            dev, dt = pt.A.W.device, pt.A.W.dtype
+            rng = lambda idx: [] if idx is None else list(range(n))[idx]  # noqa: E731
             mats = []
-            for m, (p, q) in enumerate(zip(pidx.tolist(), qidx.tolist())):
-                eye = torch.zeros(n, n, dtype=st.A.dtype, device=st.A.device)
+            for m, (p, q) in enumerate(zip(rng(st.p), rng(st.q))):
+                eye = torch.zeros(n, n, dtype=dt, device=dev)
                 eye[p, p] = eye[q, q] = 1.0
                 jay = torch.zeros_like(eye)
                 jay[q, p], jay[p, q] = 1.0, -1.0
                 mats += [(f"I{m}", eye), (f"J{m}", jay)]
-            for a in free.tolist():
-                for b in free.tolist():
-                    e = torch.zeros(n, n, dtype=st.A.dtype, device=st.A.device)
+            free = rng(st.free)
+            for a in free:
+                for b in free:
+                    e = torch.zeros(n, n, dtype=dt, device=dev)
                     e[a, b] = 1.0
                     mats.append((f"E{a},{b}", e))
             for j in range(G):
                 for label, E in mats:
-                    M = torch.zeros(G, n, n, dtype=st.A.dtype, device=st.A.device)
+                    M = torch.zeros(G, n, n, dtype=dt, device=dev)
                     M[j] = E
-                    vA, vB = _apply_m(st.A, st.lam, st.B, st.gam, M)
-                    yield f"{self.name}:{st.site.name}:group{j}:{label}", _writer(st.sides, vA, vB)
+                    yield f"{self.name}:{st.site.name}:group{j}:{label}", _writer(pt, M)
 
 
-def _writer(sides, vA, vB):
+def _sel_rows(r: _Rows, idx) -> _Rows:
+    return _Rows(_sel(r.W, idx), _sel(r.b, idx))
+
+
+def _sq(r: _Rows) -> torch.Tensor:
+    s = torch.linalg.vector_norm(r.W).square()
+    return s if r.b is None else s + r.b.square().sum()
+
+
+def _zero_coef(pt: _Point) -> torch.Tensor:
+    return torch.zeros(pt.st.site.h_kv, pt.st.n, pt.st.n, dtype=pt.A.W.dtype, device=pt.A.W.device)
+
+
+def _set_block(c: torch.Tensor, idx, block: torch.Tensor) -> None:
+    c[:, idx, idx] = block
+
+
+def _writer(pt: _Point, M: torch.Tensor):
+    """Write the generator images of the full coefficient matrices ``M (h_kv, n, n)`` into ``out``."""
+
     def write(out) -> None:
-        _scatter(sides[0], out, vA)
-        _scatter(sides[1], out, vB)
+        Ma, Mb = _head_matrices(M, pt.lam, pt.gam, pt.st)
+        _add_images(Ma, pt.A, [_rows(pt.st.sa, out)])
+        _add_images(Mb, pt.B, [_rows(pt.st.sb, out)])
 
     return write
 
 
-def _key(st: _SiteState) -> tuple:
-    sa, sb = st.sides
-    return (len(st.free), sa.repeat, sb.repeat, st.lam is not None, st.gam is not None)
-
-
-def _cross(st: _SiteState, dA, dB, F) -> tuple[torch.Tensor, torch.Tensor]:
-    """``S_A = Σ_A Λ a duᵀ Λ⁻¹`` and ``S_B = Σ_B Γ⁻¹ du bᵀ Γ`` on the rows ``F`` (``S = S_A − S_B``)."""
-    A, B = st.A[..., F, :], st.B[..., F, :]
-    dA, dB = dA[..., F, :], dB[..., F, :]
-    lam = None if st.lam is None else st.lam[..., F]
-    gam = None if st.gam is None else st.gam[..., F]
-    At = A if lam is None else A * lam[..., None]
-    SA = At @ dA.mT
+def _head_matrices(M, lam, gam, st: _Site) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head generator matrices: ``Λ_k⁻¹ Mᵀ Λ_k`` (side a), ``−Γ_k⁻¹ M Γ_k`` (side b)."""
+    Ma = _per_head(M.mT, st.sa.repeat)
     if lam is not None:
-        SA = SA / lam[..., None, :]
-    Bt = B if gam is None else B * gam[..., None]
-    SB = dB @ Bt.mT
+        Ma = Ma * (lam[:, None, :] / lam[:, :, None])
+    Mb = _per_head(M, st.sb.repeat)
+    Mb = -Mb if gam is None else Mb * (gam[:, None, :] / -gam[:, :, None])
+    return Ma, Mb
+
+
+def _cross(A: _Rows, dA: _Rows, lam, B: _Rows, dB: _Rows, gam, st: _Site) -> tuple[torch.Tensor, torch.Tensor]:
+    """``S_A = Σ_A Λ a duᵀ Λ⁻¹`` and ``S_B = Σ_B Γ⁻¹ du bᵀ Γ`` per group ``(G, f, f)`` (``S = S_A − S_B``)."""
+    SA = _products(A, dA)
+    if lam is not None:
+        SA = SA * (lam[:, :, None] / lam[:, None, :])
+    SB = _products(dB, B)
     if gam is not None:
-        SB = SB / gam[..., :, None]
-    return SA.sum(1), SB.sum(1)
+        SB = SB * (gam[:, None, :] / gam[:, :, None])
+    return _grouped_sum(SA, st.sa.repeat), _grouped_sum(SB, st.sb.repeat)
+
+
+def _stack_sites(device: torch.device) -> bool:
+    return device.type == "cuda" if STACK_SITES == "auto" else bool(STACK_SITES)
+
+
+def _chunk_theta(batch: _Batch, ci: int):
+    """``(A, B, λ, γ)`` of a chunk at θ on the free rows, stacked along the head axis."""
+    if batch.stacked is not None and ci in batch.stacked:
+        return batch.stacked[ci]
+    chunk = batch.chunks[ci]
+    pts = [batch.points[i] for i in chunk]
+    F = pts[0].st.free
+    A = _Rows(_cat([_sel(p.A.W, F) for p in pts]), _cat([_sel(p.A.b, F) for p in pts]))
+    B = _Rows(_cat([_sel(p.B.W, F) for p in pts]), _cat([_sel(p.B.b, F) for p in pts]))
+    lam = _cat([_sel(p.lam, F) for p in pts])
+    gam = _cat([_sel(p.gam, F) for p in pts])
+    out = (A, B, lam, gam)
+    if len(chunk) > 1:
+        batch.stacked = batch.stacked or {}
+        batch.stacked[ci] = out
+    return out
 
 
 def _uniform(t: torch.Tensor | None) -> bool:
     return t is None or t.shape[1] == 1 or bool(torch.equal(t, t[:, :1].expand_as(t)))
 
 
-def _rep_twist(t: torch.Tensor | None, gram: torch.Tensor, n: int, ref: torch.Tensor) -> torch.Tensor:
+def _rep_twist(t: torch.Tensor | None, gram: torch.Tensor, G: int, f: int, ref: torch.Tensor) -> torch.Tensor:
     """Representative twist per group: ``(Σ_k w_k t_k⁻²)^(-1/2)``, ``w_k ∝ tr(gram_k)``."""
     if t is None:
-        return torch.ones(ref.shape[0], n, dtype=ref.dtype, device=ref.device)
+        return torch.ones(G, f, dtype=ref.dtype, device=ref.device)
     if _uniform(t):
         return t[:, 0].abs()
     w = torch.diagonal(gram, dim1=-2, dim2=-1).sum(-1)  # (G, k)
@@ -318,109 +460,201 @@ def _rep_twist(t: torch.Tensor | None, gram: torch.Tensor, n: int, ref: torch.Te
     return (w[..., None] * t.pow(-2)).sum(1).rsqrt()
 
 
-def _batch_prepare(sts: list[_SiteState], ctx) -> _Batch:
-    Ph, Rh, la, ga, ls, gs, tall = [], [], [], [], [], [], []
-    uniform = True
-    for st in sts:
-        F = st.free
-        A, B = st.A[..., F, :], st.B[..., F, :]
-        lam = None if st.lam is None else st.lam[..., F]
-        gam = None if st.gam is None else st.gam[..., F]
-        At = A if lam is None else A * lam[..., None]
-        Bt = B if gam is None else B * gam[..., None]
-        ph, rh = At @ At.mT, Bt @ Bt.mT
-        Ph.append(ph)
-        Rh.append(rh)
-        uniform = uniform and _uniform(lam) and _uniform(gam)
+def _batch_prepare(points: list[_Point], ctx) -> _Batch:
+    st = points[0].st
+    dev = points[0].A.W.device
+    chunks = [list(range(len(points)))] if (_stack_sites(dev) and len(points) > 1) else [[i] for i in range(len(points))]
+    b = _Batch(points, chunks, None, None, None, None, None, None, True)
+    Ph, Rh, lams, gams = [], [], [], []
+    kA, kB = st.sa.repeat, st.sb.repeat
+    for ci in range(len(chunks)):
+        A, B, lam, gam = _chunk_theta(b, ci)
+        ph, rh = _products(A, A), _products(B, B)
         if lam is not None:
-            la.append(lam.pow(-2))
+            ph = ph * (lam[:, :, None] * lam[:, None, :])
         if gam is not None:
-            ga.append(gam.pow(-2))
-        ls.append(_rep_twist(lam, ph, len(F), A))
-        gs.append(_rep_twist(gam, rh, len(F), A))
-        tall.append((At, Bt))
+            rh = rh * (gam[:, :, None] * gam[:, None, :])
+        Ph.append(ph.reshape(-1, kA, *ph.shape[1:]))
+        Rh.append(rh.reshape(-1, kB, *rh.shape[1:]))
+        lams.append(None if lam is None else lam.reshape(-1, kA, lam.shape[-1]))
+        gams.append(None if gam is None else gam.reshape(-1, kB, gam.shape[-1]))
     Ph, Rh = torch.cat(Ph), torch.cat(Rh)
-    l, g = torch.cat(ls), torch.cat(gs)
-    b = _Batch(Ph, Rh, torch.cat(la) if la else None, torch.cat(ga) if ga else None, l, g, uniform)
+    lam, gam = _cat(lams), _cat(gams)
+    G, f = Ph.shape[0], Ph.shape[-1]
+    b.uniform = _uniform(lam) and _uniform(gam)
+    b.twisted = lam is not None or gam is not None
+    b.l = _rep_twist(lam, Ph, G, f, Ph)
+    b.g = _rep_twist(gam, Rh, G, f, Ph)
+    if b.uniform:  # one Gram per group
+        Ph = Ph if kA == 1 else Ph.sum(1, keepdim=True)
+        Rh = Rh if kB == 1 else Rh.sum(1, keepdim=True)
+    else:
+        b.la = None if lam is None else lam.pow(-2)
+        b.ga = None if gam is None else gam.pow(-2)
+    b.Ph, b.Rh = Ph, Rh
     # Reparametrised Sylvester pair P̃ = Γ(ΣP̂)Γ, R̃ = Λ(ΣR̂)Λ: exact when uniform, the preconditioner otherwise.
-    Pt = Ph.sum(1) * g[:, :, None] * g[:, None, :]
-    Rt = Rh.sum(1) * l[:, :, None] * l[:, None, :]
+    Pt, Rt = _member_sum(Ph), _member_sum(Rh)
+    if lam is not None or gam is not None:
+        Pt = Pt * (b.g[:, :, None] * b.g[:, None, :])
+        Rt = Rt * (b.l[:, :, None] * b.l[:, None, :])
+    if ctx.mode == "approx":  # no eigendecomposition: one ADI step as the CG preconditioner
+        b.inv = ShiftedSylvester(Pt, Rt)
+        return b
     factors = None
     if sylvester.gram_eig_backend(Pt, ()) == "svd":  # P̃ = F_P F_Pᵀ with F_P = [Γ Λ_k a_k]_k (tall: k·m ≥ n)
-        fp = _pad_width_cat([_stack_members(At) for At, _ in tall]) * g[:, :, None]
-        fr = _pad_width_cat([_stack_members(Bt) for _, Bt in tall]) * l[:, :, None]
-        factors = (fp, fr)
-    b.inv = SylvesterInverse(Pt, Rt, ctx.rtol, regularize=not uniform and ctx.mode == "exact", factors=factors)
+        factors = (_factor(b, "a") * b.g[:, :, None], _factor(b, "b") * b.l[:, :, None])
+    b.inv = SylvesterInverse(Pt, Rt, ctx.rtol, regularize=not b.uniform and ctx.mode == "exact", factors=factors)
     return b
 
 
-def _stack_members(X: torch.Tensor) -> torch.Tensor:
-    """``(G, k, n, m) -> (G, n, k·m)``: the members side by side, so that ``F Fᵀ = Σ_k X_k X_kᵀ``."""
-    G, k, n, m = X.shape
-    return X.permute(0, 2, 1, 3).reshape(G, n, k * m)
+def _member_sum(t: torch.Tensor) -> torch.Tensor:
+    """``(G, k, f, f) → (G, f, f)``, a view when ``k = 1``."""
+    return t[:, 0] if t.shape[1] == 1 else t.sum(1)
 
 
-def _pad_width_cat(mats: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(sylvester._pad_width(*mats), 0)
+def _factor(b: _Batch, side: str) -> torch.Tensor:
+    """``(G, f, k·(m+1))``: the twisted rows of each group's members side by side, ``F Fᵀ = Σ_k Λ_k a_k a_kᵀ Λ_k``."""
+    parts = []
+    for ci in range(len(b.chunks)):
+        A, B, lam, gam = _chunk_theta(b, ci)
+        R, t = (A, lam) if side == "a" else (B, gam)
+        k = b.points[0].st.sa.repeat if side == "a" else b.points[0].st.sb.repeat
+        X = R.W if R.b is None else torch.cat([R.W, R.b[..., None]], -1)
+        if t is not None:
+            X = X * t[..., None]
+        heads, f, m = X.shape
+        parts.append(X.reshape(heads // k, k, f, m).permute(0, 2, 1, 3).reshape(heads // k, f, k * m))
+    return _cat(sylvester._pad_width(*parts))
 
 
-def _batch_solve(b: _Batch, SA: torch.Tensor, SB: torch.Tensor, ctx, name: str) -> torch.Tensor:
+def _batch_solve(b: _Batch, SA: torch.Tensor, SB: torch.Tensor, ctx, sector: "DenseSector", key: tuple) -> torch.Tensor:
     """``M`` for every group of the batch (``M = Γ Y Λ`` in the reparametrised coordinates)."""
-    gl = b.g[:, :, None] * b.l[:, None, :]
-    if ctx.mode == "approx":  # paper 000 Algorithm 2: symmetrised one-sided pseudo-inverse estimates
-        return gl * (0.5 * (b.inv.left_pinv(SA * gl) + b.inv.right_pinv(-SB * gl)))
+    gl = b.g[:, :, None] * b.l[:, None, :] if b.twisted else None
+    if ctx.mode == "paper000":  # paper 000 Algorithm 2: symmetrised one-sided pseudo-inverse estimates
+        return _gl(0.5 * (b.inv.left_pinv(_gl(SA, gl)) + b.inv.right_pinv(_gl(-SB, gl))), gl)
     S = SA - SB
-    if b.uniform:
-        return gl * b.inv(S * gl)
-
-    def op(M):
-        out = torch.einsum("gkab,gbc,gkc->gac", b.Ph, M, b.la) if b.la is not None else b.Ph.sum(1) @ M
-        if b.ga is not None:
-            out = out + torch.einsum("gka,gab,gkbc->gac", b.ga, M, b.Rh)
-        else:
-            out = out + M @ b.Rh.sum(1)
-        return out
-
-    M, iters, res = twisted_cg(op, S, lambda R: gl * b.inv(R * gl), tol=ctx.cg_tol, maxiter=ctx.cg_maxiter)
-    ctx.note_cg(name, iters, res)
+    if b.uniform and ctx.mode == "exact":
+        return _gl(b.inv(_gl(S, gl)), gl)
+    op = _operator(b)
+    if ctx.mode == "exact":  # LRM + GQA: CG preconditioned by the Sylvester inverse of the mean twists
+        M, iters, res, _ = batched_pcg(op, S, lambda R: _gl(b.inv(_gl(R, gl)), gl), tol=ctx.cg_tol, maxiter=ctx.cg_maxiter)
+        ctx.note_cg(sector.name, iters, float(res.max()))
+        return M
+    # approx: a fixed number of CG steps preconditioned by one ADI step, warm-started from the last call
+    x0 = sector._warm.get(key)
+    if x0 is not None and (x0.shape != S.shape or x0.dtype != S.dtype or x0.device != S.device):
+        x0 = None
+    M, iters, res, left = batched_pcg(op, S, lambda R: _gl(b.inv(_gl(R, gl)), gl), maxiter=sector.approx_iters, x0=x0)
+    sector._warm[key] = M.detach()
+    ctx.note_approx(sector.name, iters, res, left)
     return M
 
 
-def _plane_prepare(st: _SiteState, P, Q, rtol) -> dict:
-    """2×2 Gram of ``(g_I, g_J)`` per plane and group, and its eigendecomposition."""
-    A, B = st.A, st.B
-    Ap, Aq, Bp, Bq = A[..., P, :], A[..., Q, :], B[..., P, :], B[..., Q, :]
-    App, Aqq, Apq = (Ap * Ap).sum(-1), (Aq * Aq).sum(-1), (Ap * Aq).sum(-1)  # (G, kA, planes)
-    Bpp, Bqq, Bpq = (Bp * Bp).sum(-1), (Bq * Bq).sum(-1), (Bp * Bq).sum(-1)
-    al = torch.ones_like(App) if st.lam is None else st.lam[..., Q] / st.lam[..., P]  # λ_q / λ_p
-    be = torch.ones_like(Bpp) if st.gam is None else st.gam[..., Q] / st.gam[..., P]  # γ_q / γ_p
-    gII = (App + Aqq).sum(1) + (Bpp + Bqq).sum(1)
-    gJJ = (al**2 * Aqq + al**-2 * App).sum(1) + (be**2 * Bqq + be**-2 * Bpp).sum(1)
-    gIJ = ((al - 1 / al) * Apq).sum(1) + ((1 / be - be) * Bpq).sum(1)
-    gram = torch.stack([torch.stack([gII, gIJ], -1), torch.stack([gIJ, gJJ], -1)], -2)  # (G, planes, 2, 2)
-    return {"P": P, "Q": Q, "al": al, "be": be, "gram": gram, "rtol": rtol}
+def _gl(x: torch.Tensor, gl: torch.Tensor | None) -> torch.Tensor:
+    """``x ∘ (g lᵀ)``: between ``M`` and the reparametrised ``Y`` (nothing to do without twists)."""
+    return x if gl is None else x * gl
 
 
-def _plane_apply(st: _SiteState, dA, dB, vA, vB, coef) -> None:
-    pl = st.plane
-    P, Q, al, be = pl["P"], pl["Q"], pl["al"], pl["be"]
-    A, B = st.A, st.B
-    Ap, Aq, Bp, Bq = A[..., P, :], A[..., Q, :], B[..., P, :], B[..., Q, :]
-    dAp, dAq, dBp, dBq = dA[..., P, :], dA[..., Q, :], dB[..., P, :], dB[..., Q, :]
-    rI = ((dAp * Ap).sum(-1) + (dAq * Aq).sum(-1)).sum(1) - ((dBp * Bp).sum(-1) + (dBq * Bq).sum(-1)).sum(1)
-    rJ = (al * (dAp * Aq).sum(-1) - (dAq * Ap).sum(-1) / al).sum(1) + (
-        be * (dBp * Bq).sum(-1) - (dBq * Bp).sum(-1) / be
-    ).sum(1)
-    ab = psd_solve(pl["gram"], torch.stack([rI, rJ], -1), pl["rtol"])  # (G, planes, 2)
-    a, b = ab[..., 0][:, None, :, None], ab[..., 1][:, None, :, None]  # broadcast over members and width
-    alx, bex = al[..., None], be[..., None]
-    vA[..., P, :] += a * Ap + b * alx * Aq
-    vA[..., Q, :] += a * Aq - b / alx * Ap
-    vB[..., P, :] += -a * Bp + b * bex * Bq
-    vB[..., Q, :] += -a * Bq - b / bex * Bp
-    # coefficients as the matrix a·I + b·J (J[q, p] = 1, J[p, q] = -1)
-    aa, bb = ab[..., 0], ab[..., 1]
-    coef[:, P, P] = aa
-    coef[:, Q, Q] = aa
-    coef[:, Q, P] = bb
-    coef[:, P, Q] = -bb
+def _operator(b: _Batch):
+    """``M ↦ K(M) = Σ_A P̂_k M Λ_k⁻² + Σ_B Γ_k⁻² M R̂_k`` for every group of the batch."""
+    if b.uniform:
+        P, R = b.Ph[:, 0], b.Rh[:, 0]
+        li, gi = b.l.pow(-2)[:, None, :], b.g.pow(-2)[:, :, None]
+        return lambda M: torch.bmm(P, M) * li + gi * torch.bmm(M, R)
+
+    def op(M):
+        a = torch.einsum("gkab,gbc,gkc->gac", b.Ph, M, b.la) if b.la is not None else _member_sum(b.Ph) @ M
+        c = torch.einsum("gka,gab,gkbc->gac", b.ga, M, b.Rh) if b.ga is not None else M @ _member_sum(b.Rh)
+        return a + c
+
+    return op
+
+
+def _plane_rows(r: _Rows, P, Q):
+    return _sel(r.W, P), _sel(r.W, Q), _sel(r.b, P), _sel(r.b, Q)
+
+
+def _pdot(w1, w2, b1, b2):
+    """Row-wise inner products of augmented rows ``[w | b]``: ``(heads, planes)``."""
+    s = (w1 * w2).sum(-1)
+    return s if b1 is None else s + b1 * b2
+
+
+def _plane_prepare(pt: _Point, rtol) -> dict:
+    """2×2 Gram of ``(g_I, g_J)`` per plane and group."""
+    st = pt.st
+    P, Q = st.p, st.q
+    Ap, Aq, apb, aqb = _plane_rows(pt.A, P, Q)
+    Bp, Bq, bpb, bqb = _plane_rows(pt.B, P, Q)
+    App, Aqq, Apq = _pdot(Ap, Ap, apb, apb), _pdot(Aq, Aq, aqb, aqb), _pdot(Ap, Aq, apb, aqb)  # (heads_a, planes)
+    Bpp, Bqq, Bpq = _pdot(Bp, Bp, bpb, bpb), _pdot(Bq, Bq, bqb, bqb), _pdot(Bp, Bq, bpb, bqb)
+    al = torch.ones_like(App) if pt.lam is None else _sel(pt.lam, Q) / _sel(pt.lam, P)  # λ_q / λ_p
+    be = torch.ones_like(Bpp) if pt.gam is None else _sel(pt.gam, Q) / _sel(pt.gam, P)  # γ_q / γ_p
+    kA, kB = st.sa.repeat, st.sb.repeat
+    gII = _grouped_sum(App + Aqq, kA) + _grouped_sum(Bpp + Bqq, kB)
+    gJJ = _grouped_sum(al**2 * Aqq + al**-2 * App, kA) + _grouped_sum(be**2 * Bqq + be**-2 * Bpp, kB)
+    gIJ = _grouped_sum((al - 1 / al) * Apq, kA) + _grouped_sum((1 / be - be) * Bpq, kB)
+    return {"al": al, "be": be, "gram": (gII, gIJ, gJJ), "rtol": rtol}
+
+
+def _solve_2x2(g11, g12, g22, r1, r2, rtol):
+    """Minimum-norm ``(x1, x2)`` of the 2×2 PSD systems ``[[g11, g12], [g12, g22]] x = r`` (batched),
+    under the pseudo-inverse rule: an eigenvalue ``≤ rtol·λ_max`` is dropped, never divided by."""
+    half_tr = 0.5 * (g11 + g22)
+    rad = torch.sqrt((0.5 * (g11 - g22)).square() + g12.square())
+    lmax = (half_tr + rad).clamp_min(0.0)
+    tiny = torch.finfo(g11.dtype).tiny
+    lmin = ((g11 * g22 - g12 * g12) / lmax.clamp_min(tiny)).clamp_min(0.0)  # det / λ_max: no cancellation
+    both = lmin > rtol * lmax
+    det = (g11 * g22 - g12 * g12).clamp_min(tiny)
+    x1_full, x2_full = (g22 * r1 - g12 * r2) / det, (g11 * r2 - g12 * r1) / det
+    # rank one: the eigenvector of λ_max, from the better conditioned of its two expressions
+    u1, u2 = g12, lmax - g11
+    w1, w2 = lmax - g22, g12
+    use_w = (w1.square() + w2.square()) > (u1.square() + u2.square())
+    v1, v2 = torch.where(use_w, w1, u1), torch.where(use_w, w2, u2)
+    nv = torch.sqrt(v1.square() + v2.square())
+    ok = (nv > 0) & (lmax > 0)
+    v1 = torch.where(ok, v1 / nv.clamp_min(tiny), torch.where(g11 >= g22, torch.ones_like(v1), torch.zeros_like(v1)))
+    v2 = torch.where(ok, v2 / nv.clamp_min(tiny), torch.where(g11 >= g22, torch.zeros_like(v2), torch.ones_like(v2)))
+    c = torch.where(lmax > 0, (v1 * r1 + v2 * r2) / lmax.clamp_min(tiny), torch.zeros_like(r1))
+    return torch.where(both, x1_full, c * v1), torch.where(both, x2_full, c * v2)
+
+
+def _plane_apply(pt: _Point, u, out, coefs) -> None:
+    st, pl = pt.st, pt.plane
+    P, Q, al, be = st.p, st.q, pl["al"], pl["be"]
+    Ap, Aq, apb, aqb = _plane_rows(pt.A, P, Q)
+    Bp, Bq, bpb, bqb = _plane_rows(pt.B, P, Q)
+    dAp, dAq, dapb, daqb = _plane_rows(_rows(st.sa, u), P, Q)
+    dBp, dBq, dbpb, dbqb = _plane_rows(_rows(st.sb, u), P, Q)
+    kA, kB = st.sa.repeat, st.sb.repeat
+    rI = _grouped_sum(_pdot(dAp, Ap, dapb, apb) + _pdot(dAq, Aq, daqb, aqb), kA) \
+        - _grouped_sum(_pdot(dBp, Bp, dbpb, bpb) + _pdot(dBq, Bq, dbqb, bqb), kB)
+    rJ = _grouped_sum(al * _pdot(dAp, Aq, dapb, aqb) - _pdot(dAq, Ap, daqb, apb) / al, kA) \
+        + _grouped_sum(be * _pdot(dBp, Bq, dbpb, bqb) - _pdot(dBq, Bp, dbqb, bpb) / be, kB)
+    gII, gIJ, gJJ = pl["gram"]
+    a, b = _solve_2x2(gII, gIJ, gJJ, rI, rJ, pl["rtol"])  # (G, planes)
+    aA, bA, aB, bB = _per_head(a, kA), _per_head(b, kA), _per_head(a, kB), _per_head(b, kB)
+    oAp, oAq, oapb, oaqb = _plane_rows(_rows(st.sa, out), P, Q)
+    oBp, oBq, obpb, obqb = _plane_rows(_rows(st.sb, out), P, Q)
+    for (o, x, y, c1, c2) in (
+        (oAp, Ap, Aq, aA, bA * al), (oAq, Aq, Ap, aA, -bA / al),
+        (oBp, Bp, Bq, -aB, bB * be), (oBq, Bq, Bp, -aB, -bB / be),
+    ):
+        o.addcmul_(c1[..., None], x).addcmul_(c2[..., None], y)
+    for (o, x, y, c1, c2) in (
+        (oapb, apb, aqb, aA, bA * al), (oaqb, aqb, apb, aA, -bA / al),
+        (obpb, bpb, bqb, -aB, bB * be), (obqb, bqb, bpb, -aB, -bB / be),
+    ):
+        if o is not None:
+            o.addcmul_(c1, x).addcmul_(c2, y)
+    if coefs is not None:  # the coefficients as the matrix a·I + b·J (J[q, p] = 1, J[p, q] = -1)
+        c = coefs.setdefault(id(pt), _zero_coef(pt))
+        n = st.n
+        ids = torch.arange(n, device=c.device)
+        pi, qi = ids[P], ids[Q]
+        c[:, pi, pi] = a
+        c[:, qi, qi] = a
+        c[:, qi, pi] = b
+        c[:, pi, qi] = -b

@@ -108,7 +108,8 @@ class VerticalReport:
         horizontal: ``‖u − u_vert‖/‖u‖`` — paper 004's fit residual (``√(1 − total²)`` for an
             exact projection).
         defect: ``‖Π_exact(u − u_vert)‖/‖u‖``, the vertical part the chosen mode failed to
-            remove (rounding for ``"exact"``, Algorithm 2's error for ``"approx"``).
+            remove (rounding for ``"exact"``, what the truncated CG left for ``"approx"``, Algorithm 2's
+            error for ``"paper000"``).
         sectors: ``{sector: ‖V_s u‖/‖u‖}``, each sector projected on its own.
         units: ``{(sector, unit): ‖V_s u‖/‖u‖}`` restricted to the unit's entries (a unit is an
             attention layer, or an LRM layer for ``lrm_internal``).
@@ -137,7 +138,7 @@ def vertical_report(
 ) -> VerticalReport:
     """Vertical fractions per sector, layer and unit, and the fit diagnostics (see :class:`VerticalReport`).
 
-    ``mode="approx"`` reports what paper 000 Algorithm 2 removes (``total``) and leaves behind
+    ``mode="approx"`` or ``"paper000"`` reports what that mode removes (``total``) and leaves behind
     (``defect``, measured with the exact projector).
     """
     proj = GaugeProjector(model, sectors, mode, **projector_kwargs)

@@ -19,7 +19,7 @@ sector            generators (per KV group / channel / block)      solver
 ``vo``            ``GL(d_v)`` on ``[W̄_V|b̄_V]``, ``W̄_O`` columns      Sylvester (batched eigh)
 ``lrm_qk``        ``r_Q`` vs ``r_K`` per channel / RoPE plane       closed form
 ``lrm_vo``        ``r_V`` vs ``c_O`` per channel                    closed form
-``lrm_internal``  ``r·W̄·c`` rescalings of every LRM layer           Schur complement (dense)
+``lrm_internal``  ``r·W̄·c`` rescalings of every LRM layer           CG on the Schur complement
 ``qk_gain``       QK-norm gains ``g_q`` vs ``g_k`` per RoPE plane      closed form
                   (or channel), per layer or KV group
 ================  ==============================================  ==============================
@@ -33,8 +33,8 @@ the mean direction of each head's rows, one centred rotation) are not.
 
 GQA ties one ``X`` per KV group to all its query heads; biases travel with their rows;
 under LRM the dense gauges act through ``W̄`` (:mod:`gaugeopt.projection.dense`). With learnable
-multipliers and GQA the ``qk``/``vo`` normal equations are solved by preconditioned CG to the
-relative residual ``cg_tol``; everything else is direct.
+multipliers and GQA the ``qk``/``vo`` normal equations, and ``lrm_internal`` always, are solved by
+preconditioned CG to the relative residual ``cg_tol``; everything else is direct.
 
 **Joint projection.** ``qk``, ``vo``, ``lrm_qk``, ``lrm_vo`` and ``qk_gain`` touch disjoint parameter
 entries, so their spans are mutually orthogonal and projecting them one after the other is
@@ -50,11 +50,21 @@ of the Q and K blocks (likewise ``lrm_vo``), so with ``qk`` (``vo``) and ``lrm_i
 they are left out of the joint solve — same span, better conditioned (``lrm_qk`` and
 ``lrm_internal`` alone are nearly parallel when the multipliers dominate the rows of ``W̄``).
 
-**Modes.** ``"exact"``: the Sylvester solve. ``"approx"``: paper 000 Algorithm 2 (two one-sided
-pseudo-inverse estimates, symmetrised) for the dense ``qk``/``vo`` blocks — exact when the Gram
-matrices are identities, otherwise it leaves a vertical remainder (measure it with
-:func:`gaugeopt.projection.diagnostics.vertical_report`). Closed forms (RoPE planes, diagonal gauges) and
-``lrm_internal`` are exact in both modes.
+**Modes** (:data:`MODES`, checked by :func:`check_mode`). ``"exact"``: the Sylvester solve.
+``"approx"``: a fixed number (``approx_iters``) of conjugate-gradient steps on the same normal
+equations, preconditioned by one ADI step (two Cholesky factorisations, no eigendecomposition),
+warm-started from the best multiple of the previous call's coefficients. CG minimises the norm of the vertical part it leaves behind
+over a space containing its start, so ``"approx"`` never leaves more vertical part than the
+field had (:func:`~gaugeopt.projection.sylvester.batched_pcg`); ``last_info`` reports the
+relative residual of the normal equations (``approx_residual``) and an estimate of the vertical
+fraction left (``approx_left_estimate``, 0-dim tensors: no host synchronisation until read). A
+joint projection in ``"approx"`` mode runs ``approx_iters`` iterations of the joint CG on exact
+sector projections (each iteration only removes more). ``"paper000"``: paper 000 Algorithm 2
+(two one-sided pseudo-inverse estimates, symmetrised) for the dense ``qk``/``vo`` blocks — exact
+when the Gram matrices are identities; on generic weights it can *add* vertical part (measured
+on a GPT-2-shaped layer: 0.204 → 0.357 of ``‖u‖``, an output 175 % away from the exact one),
+so it is there to reproduce the paper, not to train with. Closed forms (RoPE planes, diagonal
+gauges) and ``lrm_internal`` (CG to ``cg_tol``) are exact in every mode.
 
 **Pseudo-inverse rule.** See :mod:`gaugeopt.projection.sylvester`: eigenvalues of a Gram operator below
 ``rtol ×`` the largest of their block are non-directions (coefficient 0), never divided by.
@@ -98,10 +108,19 @@ from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.projection.sylvester import default_rtol
 
-__all__ = ["SECTORS", "MODES", "GaugeProjector", "Decomposition", "horizontal"]
+__all__ = ["SECTORS", "MODES", "check_mode", "GaugeProjector", "Decomposition", "horizontal"]
 
 SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain")
-MODES = ("exact", "approx")
+MODES = ("exact", "approx", "paper000")
+
+
+def check_mode(mode: str, owner: str = "GaugeProjector") -> None:
+    """Raise :class:`GaugeError` unless ``mode`` is one of :data:`MODES` (the one check the
+    projector, :class:`gaugeopt.GaugeProjected` and the Lightning callback share)."""
+    if mode not in MODES:
+        raise GaugeError(f"{owner}: mode={mode!r} is not one of {MODES}")
+
+
 _OVERLAPPING = ("lrm_internal",)
 _REDUNDANT = {"lrm_qk": "qk", "lrm_vo": "vo"}  # with lrm_internal present, the key's span lies in the value's + internal
 
@@ -120,7 +139,8 @@ class Decomposition:
             LRM block); summed over the sweeps of a joint projection.
         norms: ``{(sector, unit): (‖u_vert‖², ‖u‖²)}`` over the unit's entries (with
             ``decompose(..., norms=True)``; not filled for joint projections).
-        info: solver facts: ``cg_iterations``, ``cg_residual``, ``joint_iterations``, ``joint_residual``.
+        info: solver facts: ``cg_iterations``, ``cg_residual``, ``joint_iterations``, ``joint_residual``;
+            in ``"approx"`` mode also ``approx_iterations``, ``approx_residual`` and ``approx_left_estimate``.
     """
 
     vertical: dict[str, torch.Tensor]
@@ -155,6 +175,15 @@ class _Ctx:
             return self._param(x)
         return x.view(self._param(x.name))
 
+    def note_approx(self, sector: str, iters: int, res: torch.Tensor, left: torch.Tensor) -> None:
+        """Truncated CG of ``mode="approx"``: residual and error estimate stay tensors (no sync)."""
+        info = self.info
+        info["approx_iterations"] = max(info.get("approx_iterations", 0), iters)
+        r = res.max() if res.numel() else res.new_zeros(())
+        info["approx_residual"] = torch.maximum(info["approx_residual"], r) if "approx_residual" in info else r
+        sq = left.square().sum()
+        self._left_sq = self._left_sq + sq if hasattr(self, "_left_sq") else sq
+
     def note_cg(self, sector: str, iters: int, res: float) -> None:
         self.info["cg_iterations"] = max(self.info["cg_iterations"], iters)
         self.info["cg_residual"] = max(self.info["cg_residual"], res)
@@ -163,6 +192,13 @@ class _Ctx:
                 f"gauge projection ({sector}): conjugate gradients stopped after {iters} iterations at relative "
                 f"residual {res:.2e} > cg_tol={self.cg_tol:.1e}; raise cg_maxiter"
             )
+
+
+def _names_of(sec) -> list[str]:
+    """Parameter names a sector object touches."""
+    if isinstance(sec, DenseSector):
+        return list(dict.fromkeys(r.name for r in sec.refs()))
+    return sec.param_names()
 
 
 def _accessor(store: dict[str, torch.Tensor]):
@@ -183,7 +219,7 @@ class GaugeProjector:
     Args:
         model: the model whose ``named_parameters()`` names the vector field's entries.
         sectors: ``"auto"`` (every sector the model has) or a subset of :data:`SECTORS`.
-        mode: ``"exact"`` or ``"approx"`` (see the module docstring).
+        mode: ``"exact"``, ``"approx"`` or ``"paper000"`` (see the module docstring).
         sites: attention sites (default :func:`gaugeopt.find_attention`); with ``sites`` given,
             ``lrm_internal`` covers only the LRM layers those sites read.
         rtol: pseudo-inverse threshold (default ``1000·ε`` of the compute dtype).
@@ -192,6 +228,8 @@ class GaugeProjector:
             default ``cg_tol`` is ``1e3·ε``.
         joint_tol, joint_maxiter: stopping rule of the alternating joint projection (only
             when ``lrm_internal`` is combined with another sector); default ``joint_tol`` ``1e3·ε``.
+        approx_iters: CG steps of ``mode="approx"`` (per dense batch; joint CG iterations of a
+            joint projection).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the closed-form sectors (``lrm_qk``,
             ``lrm_vo``, ``qk`` of full-rotary RoPE layers) in :meth:`vertical` and :meth:`project`:
             ``"auto"`` runs the fused Triton kernel on CUDA tensors (:mod:`gaugeopt.kernels.dispatch`,
@@ -212,13 +250,15 @@ class GaugeProjector:
         cg_maxiter: int = 200,
         joint_tol: float | None = None,
         joint_maxiter: int = 500,
+        approx_iters: int = 4,
         backend: str = "auto",
     ) -> None:
         dispatch.requested_backend(backend)  # validates the argument and GAUGEOPT_BACKEND now
         self.backend = backend
-        if mode not in MODES:
-            raise GaugeError(f"GaugeProjector: mode={mode!r} is not one of {MODES}")
-        self.model, self.mode = model, mode
+        check_mode(mode)
+        if not (isinstance(approx_iters, int) and approx_iters >= 1):
+            raise GaugeError(f"GaugeProjector: approx_iters={approx_iters!r} must be a positive integer")
+        self.model, self.mode, self.approx_iters = model, mode, approx_iters
         self.rtol, self.dtype, self.cg_tol, self.cg_maxiter = rtol, dtype, cg_tol, cg_maxiter
         self.joint_tol, self.joint_maxiter = joint_tol, joint_maxiter
         self._params: dict[str, torch.Tensor] = dict(model.named_parameters())
@@ -230,8 +270,8 @@ class GaugeProjector:
             owners = {id(ref.owner) for s in self.sites for _, ref in s.refs()}
             lrm_modules = [(n, m) for n, m in lrm_modules if id(m) in owners or any(id(p) in owners for p in m.parameters())]
         impl = {
-            "qk": DenseSector("qk", [s for s in self.sites if s.qk_norm is None]),
-            "vo": DenseSector("vo", self.sites),
+            "qk": DenseSector("qk", [s for s in self.sites if s.qk_norm is None], approx_iters=approx_iters),
+            "vo": DenseSector("vo", self.sites, approx_iters=approx_iters),
             "lrm_qk": DiagonalSector("lrm_qk", self.sites),
             "lrm_vo": DiagonalSector("lrm_vo", self.sites),
             "lrm_internal": InternalSector(lrm_modules, pname),
@@ -273,10 +313,7 @@ class GaugeProjector:
 
     # ------------------------------------------------------------------ structure
     def _sector_names(self, sector: str) -> list[str]:
-        sec = self._impl[sector]
-        if isinstance(sec, DenseSector):
-            return list(dict.fromkeys(r.name for r in sec.refs()))
-        return sec.param_names()
+        return _names_of(self._impl[sector])
 
     def param_names(self, sectors: Sequence[str] | None = None) -> list[str]:
         """Names of the parameters the given sectors (default: the chosen ones) touch, in model order."""
@@ -342,14 +379,18 @@ class GaugeProjector:
         return torch.float64 if torch.float64 in dts else torch.float32
 
     def _work(self, given: dict, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The field in the compute dtype over ``names``: the given tensor itself when it already is
+        contiguous and of that dtype (the sectors only read it), a copy otherwise."""
         work = {}
         for n in names:
             p = self._params[n]
             t = given.get(n)
             if t is None:
                 work[n] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-                continue
-            work[n] = torch.empty(p.shape, dtype=dtype, device=p.device).copy_(t.detach())
+            elif t.dtype == dtype and t.device == p.device and t.is_contiguous():
+                work[n] = t.detach()
+            else:
+                work[n] = torch.empty(p.shape, dtype=dtype, device=p.device).copy_(t.detach())
         return work
 
     # ------------------------------------------------------------------ core
@@ -358,10 +399,11 @@ class GaugeProjector:
         self._rtol_now = default_rtol(self._dtype_now) if self.rtol is None else self.rtol
         self._cg_tol_now = default_rtol(self._dtype_now) if self.cg_tol is None else self.cg_tol
 
-    def _vertical_family(self, ctx, preps, family, work, record=None, coeffs=None, out=None):
-        """Add the family's vertical part of ``work`` into ``out`` (zeros over its names by default)."""
+    def _vertical_family(self, ctx, family, work, record=None, coeffs=None, out=None):
+        """Add the vertical part of ``work`` in ``family`` (``[(sector, prepared)]``) into ``out``
+        (zeros over its names by default)."""
         if out is None:
-            names = [n for s in family for n in self._sector_names(s)]
+            names = [n for sec, _ in family for n in _names_of(sec)]
             out = {n: torch.zeros_like(work[n]) for n in dict.fromkeys(names)}
         rec = record
         if coeffs is not None:
@@ -370,9 +412,53 @@ class GaugeProjector:
                 coeffs[key] = coeffs[key] + coef if key in coeffs else coef
                 if record is not None:
                     record(sector, unit, coef, vsq, usq)
-        for s in family:
-            self._impl[s].apply(ctx, preps[s], _accessor(work), _accessor(out), rec)
+        for sec, prep in family:
+            sec.apply(ctx, prep, _accessor(work), _accessor(out), rec)
         return out
+
+    def _run(self, given: dict, secs: tuple[str, ...], at, coeffs=None, unit_norms=None):
+        """``(work, vertical, info)``: the field in the compute dtype and its vertical part over the
+        sectors' parameters; coefficients and per-unit norms only when asked for (they cost)."""
+        self._setup(given)
+        names = self.param_names(secs)
+        work = self._work(given, names, self._dtype_now)
+        ctx = _Ctx(self, at)
+        fam1 = [s for s in secs if s not in _OVERLAPPING]
+        fam2 = [s for s in secs if s in _OVERLAPPING]
+        joint = bool(fam1 and fam2)
+        if joint:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same joint span, better conditioned
+            fam1 = [s for s in fam1 if _REDUNDANT.get(s) not in fam1]
+            if ctx.mode == "approx":  # exact sector projections inside, the joint CG truncated
+                ctx.mode = "exact"
+        info = ctx.info
+        if not joint:
+            record = None
+            if unit_norms is not None:
+                def record(sector, unit, coef, vsq, usq):
+                    unit_norms[(sector, unit)] = (float(vsq), float(usq))
+            family = [(self._impl[s], self._impl[s].prepare(ctx)) for s in (fam1 or fam2)]
+            vert = self._vertical_family(ctx, family, work, record, coeffs)
+            info.update(joint_iterations=0, joint_residual=0.0)
+        else:
+            # lrm_internal units outside the first family's support (the MLP's LRM layers) are orthogonal
+            # to everything else: projected once, outside the joint CG, whose vectors then span attention only
+            first = [(self._impl[s], self._impl[s].prepare(ctx)) for s in fam1]
+            inner, outer = self._impl["lrm_internal"].split({n for s in fam1 for n in self._sector_names(s)})
+            second = [(inner, inner.prepare(ctx))] if inner.units() else []
+            joint_names = dict.fromkeys(n for sec, _ in first + second for n in _names_of(sec))
+            maxiter = self.approx_iters if self.mode == "approx" else self.joint_maxiter
+            if second:
+                vert, info_j = self._joint(ctx, first, second, {n: work[n] for n in joint_names}, coeffs, maxiter)
+            else:
+                vert, info_j = self._vertical_family(ctx, first, work, coeffs=coeffs), {"joint_iterations": 0, "joint_residual": 0.0}
+            if outer.units():
+                vert.update(self._vertical_family(ctx, [(outer, outer.prepare(ctx))], work, coeffs=coeffs))
+            info.update(info_j)
+        if hasattr(ctx, "_left_sq"):  # approx: ‖error‖ estimate over ‖u‖ (tensors, read lazily)
+            usq = sum(torch.linalg.vector_norm(work[n]).double().square() for n in names)
+            info["approx_left_estimate"] = torch.where(usq > 0, (ctx._left_sq.double() / usq).sqrt(), usq)
+        self.last_info = dict(info)
+        return work, vert, dict(info)
 
     def decompose(
         self,
@@ -394,32 +480,13 @@ class GaugeProjector:
         self._require_certified()
         secs = self._resolve(sectors)
         given, _ = self._as_dict(tensors)
-        self._setup(given)
-        names = self.param_names(secs)
-        work = self._work(given, names, self._dtype_now)
-        ctx = _Ctx(self, at)
-        preps = {s: self._impl[s].prepare(ctx) for s in secs}
         coeffs: dict = {}
         unit_norms: dict = {}
-        want_norms = norms
-        fam1 = [s for s in secs if s not in _OVERLAPPING]
-        fam2 = [s for s in secs if s in _OVERLAPPING]
-        if fam2:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same joint span, better conditioned
-            fam1 = [s for s in fam1 if _REDUNDANT.get(s) not in fam1]
-        info = ctx.info
-        if not fam1 or not fam2:
-            def record(sector, unit, coef, vsq, usq):
-                unit_norms[(sector, unit)] = (float(vsq), float(usq))
-            vert = self._vertical_family(ctx, preps, fam1 or fam2, work, record if want_norms else None, coeffs)
-            info.update(joint_iterations=0, joint_residual=0.0)
-        else:
-            vert, info_j = self._joint(ctx, preps, fam1, fam2, work, coeffs)
-            info.update(info_j)
-        hor = {n: work[n] - vert[n] for n in names}
-        self.last_info = dict(info)
-        return Decomposition(vert, hor, coeffs, unit_norms, dict(info))
+        work, vert, info = self._run(given, secs, at, coeffs, unit_norms if norms else None)
+        hor = {n: work[n] - vert[n] for n in vert}
+        return Decomposition(vert, hor, coeffs, unit_norms, info)
 
-    def _joint(self, ctx, preps, fam1, fam2, u, coeffs):
+    def _joint(self, ctx, fam1, fam2, u, coeffs, maxiter):
         """Projection onto ``V1 + V2`` for two overlapping families with exact projectors ``P1, P2``.
 
         Writing the vertical part as ``a1 + a2`` (``a1 ∈ V1``, ``a2 = P2(u − a1)``), ``a1`` solves
@@ -431,40 +498,58 @@ class GaugeProjector:
         tol = default_rtol(self._dtype_now) if self.joint_tol is None else self.joint_tol
         names = list(u)
         if len({t.device for t in u.values()}) == 1:
-            # one flat buffer: the CG vector operations are single kernels, the sectors see views
+            # one flat buffer: the CG vector operations are single in-place kernels, the sectors see views
             sizes, shapes = [u[n].numel() for n in names], [u[n].shape for n in names]
 
             def views(flat):
                 return {n: t.view(shape) for n, t, shape in zip(names, flat.split(sizes), shapes)}
 
             U = torch.cat([u[n].reshape(-1) for n in names])
+            bufs: dict[int, torch.Tensor] = {}
 
-            def P(fam, x, c=None):
-                out = torch.zeros_like(U)
-                self._vertical_family(ctx, preps, fam, views(x), coeffs=c, out=views(out))
+            def P(fam, x, c=None, keep=False):
+                """The family's vertical part of ``x``, into a reused buffer (a new one with ``keep``)."""
+                out = torch.zeros_like(U) if keep else bufs.setdefault(id(fam), torch.empty_like(U)).zero_()
+                self._vertical_family(ctx, fam, views(x), coeffs=c, out=views(out))
                 return out
 
-            def axpy(a, x, y):
-                return y + a * x
+            def axpy_(a, x, y):  # y += a·x
+                return y.add_(x, alpha=a)
+
+            def xpby_(x, b, y):  # y = x + b·y
+                return y.mul_(b).add_(x)
 
             def dot(x, y):
                 return float(torch.dot(x, y))
+
+            def copy(x):
+                return x.clone()
 
             zero = lambda: torch.zeros_like(U)  # noqa: E731
             u_vec, unflat = U, views
         else:  # parameters on several devices: the same algorithm on dicts of tensors
             zero = lambda: {n: torch.zeros_like(u[n]) for n in names}  # noqa: E731
 
-            def P(fam, x, c=None):
+            def P(fam, x, c=None, keep=False):
                 out = zero()
-                self._vertical_family(ctx, preps, fam, x, coeffs=c, out=out)
+                self._vertical_family(ctx, fam, x, coeffs=c, out=out)
                 return out
 
-            def axpy(a, x, y):
-                return {n: y[n] + a * x[n] for n in names}
+            def axpy_(a, x, y):
+                for n in names:
+                    y[n].add_(x[n], alpha=a)
+                return y
+
+            def xpby_(x, b, y):
+                for n in names:
+                    y[n].mul_(b).add_(x[n])
+                return y
 
             def dot(x, y):
                 return sum(float((x[n] * y[n]).sum()) for n in names)
+
+            def copy(x):
+                return {n: x[n].clone() for n in names}
 
             u_vec, unflat = u, lambda d: d
         u = u_vec
@@ -473,33 +558,37 @@ class GaugeProjector:
         a1 = zero()
         iters = 0
         while True:
-            w = axpy(-1.0, P(fam2, axpy(-1.0, a1, u)), axpy(-1.0, a1, u))  # (I − P2)(u − a1)
-            r = P(fam1, w)  # true residual of the reduced system = the part of w still in V1
+            w = axpy_(-1.0, a1, copy(u))  # u − a1
+            w = axpy_(-1.0, P(fam2, w), w)  # (I − P2)(u − a1)
+            r = P(fam1, w, keep=True)  # true residual of the reduced system = the part of w still in V1
             res = math.sqrt(dot(r, r)) / unorm
-            if res <= tol or iters >= self.joint_maxiter:
+            if res <= tol or iters >= maxiter:
                 break
-            p, rr, delta = r, dot(r, r), zero()
-            while iters < self.joint_maxiter:
-                Sp = P(fam1, axpy(-1.0, P(fam2, p), p))
+            p, rr, delta = copy(r), dot(r, r), zero()
+            while iters < maxiter:
+                q = axpy_(-1.0, P(fam2, p), copy(p))  # (I − P2) p
+                Sp = P(fam1, q)
                 pSp = dot(p, Sp)
                 if pSp <= 0:
                     break
                 alpha = rr / pSp
-                delta, r = axpy(alpha, p, delta), axpy(-alpha, Sp, r)
+                axpy_(alpha, p, delta)
+                axpy_(-alpha, Sp, r)
                 iters += 1
                 rr_new = dot(r, r)
                 if math.sqrt(rr_new) / unorm <= 0.1 * tol:
                     break
-                p, rr = axpy(rr_new / rr, p, r), rr_new
-            a1 = axpy(1.0, delta, a1)
-        if res > tol:
+                xpby_(r, rr_new / rr, p)
+                rr = rr_new
+            axpy_(1.0, delta, a1)
+        if res > tol and self.mode != "approx":
             self._warn_once(
                 f"gauge projection (joint): conjugate gradients stopped after {iters} iterations with {res:.2e} of "
                 f"‖u‖ still vertical (joint_tol={tol:.1e}); the sector families are nearly parallel here, raise joint_maxiter"
             )
-        a1 = P(fam1, a1, coeffs)  # coefficients of both parts, in Lie-algebra coordinates
-        a2 = P(fam2, axpy(-1.0, a1, u), coeffs)
-        vert = unflat(axpy(1.0, a1, a2))
+        a1 = P(fam1, a1, coeffs, keep=True)  # coefficients of both parts, in Lie-algebra coordinates
+        a2 = P(fam2, axpy_(-1.0, a1, copy(u)), coeffs, keep=True)
+        vert = unflat(axpy_(1.0, a2, a1))
         return vert, {"joint_iterations": iters, "joint_residual": res}
 
     # ------------------------------------------------------------------ kernel routing
@@ -530,8 +619,8 @@ class GaugeProjector:
         fused, rest = self._route(given, self._resolve(sectors), at)
         out: dict[str, torch.Tensor] = {}
         if rest:
-            dec = self.decompose(given, sectors=rest, at=at)
-            out = {n: v.to(self._out_dtype(given, n)) for n, v in dec.vertical.items()}
+            _, vert, _ = self._run(given, rest, at)
+            out = {n: v.to(self._out_dtype(given, n)) for n, v in vert.items()}
         if fused:
             from gaugeopt.projection.triton_backend import vertical_triton
 
@@ -557,15 +646,17 @@ class GaugeProjector:
         fused, rest = self._route(given, self._resolve(sectors), at)
         result = dict(given)
         if rest:
-            dec = self.decompose(given, sectors=rest, at=at)
-            for n, v in dec.vertical.items():
+            work, vert, _ = self._run(given, rest, at)
+            for n, v in vert.items():
                 t = given.get(n)
                 if t is None:
                     result[n] = (-v).to(self._params[n].dtype)
                 elif inplace:
                     t.sub_(v.to(t.dtype))
+                elif v.dtype == t.dtype:
+                    result[n] = torch.sub(work[n], v)
                 else:
-                    result[n] = dec.horizontal[n].to(t.dtype)
+                    result[n] = (work[n] - v).to(t.dtype)
         if fused:
             from gaugeopt.projection.triton_backend import vertical_triton
 

@@ -1,0 +1,56 @@
+"""The benchmark scripts run (tiny shapes, CPU): a GPU session finds them working, not broken.
+
+Nothing here is timed: speed lives in the benchmarks' own output (benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.slow
+def test_speed_benchmark_smoke(tmp_path):
+    speed = _load("speed")
+    assert speed.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    (js,) = tmp_path.glob("speed_*-smoke.json")
+    rows = json.loads(js.read_text())["rows"]
+    ops = {(r["model"], r["params"], r["op"]) for r in rows}
+    for model, spec in speed.SMOKE.items():
+        if spec.get("whole"):
+            for op in ("adamw model", "gaugefix", "train step"):
+                assert (model, "plain", op) in ops and (model, "lrm", op) in ops, (model, op)
+            assert (model, "lrm", "LRM/plain adamw model") in ops and (model, "lrm", "LRM/plain tokens/s") in ops
+            continue
+        for op in ("adamw attn", "adamw blocks", "gaugefix", "proj qk+vo exact", "proj qk+vo approx", "train step"):
+            assert (model, "plain", op) in ops and (model, "lrm", op) in ops, (model, op)
+        assert (model, "lrm", "proj all sectors") in ops
+        assert (model, "lrm", "LRM/plain tokens/s") in ops and (model, "lrm", "LRM/plain adamw blocks") in ops
+    assert all(r["ms"] is None or r["ms"] > 0 for r in rows)
+    assert (tmp_path / js.name.replace(".json", ".md")).read_text().startswith("### ")
+
+
+@pytest.mark.slow
+def test_bf16_drift_training_smoke(tmp_path, capsys):
+    drift = _load("bf16_drift_training")
+    out = tmp_path / "drift.json"
+    assert drift.main(["--smoke", "--device", "cpu", "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["precision"] for r in runs] == ["fp32", "bf16"]
+    steps = [c["step"] for c in runs[0]["curve"]]
+    assert steps == [c["step"] for c in runs[1]["curve"]] == [1, 10, 20]
+    # float32 keeps the tied multipliers of standard MHA together (the drift is rounding-free zero)
+    assert all(c["qk_drift"] == 0.0 for c in runs[0]["curve"])
+    assert "Q/K drift" in capsys.readouterr().out
