@@ -106,7 +106,7 @@ from gaugeopt.projection.dense import DenseSector
 from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.structure.registry import find_attention
-from gaugeopt.projection.sylvester import default_rtol
+from gaugeopt.projection.sylvester import default_cg_tol, default_rtol
 
 __all__ = ["SECTORS", "MODES", "check_mode", "GaugeProjector", "Decomposition", "horizontal"]
 
@@ -224,8 +224,9 @@ class GaugeProjector:
             ``lrm_internal`` covers only the LRM layers those sites read.
         rtol: pseudo-inverse threshold (default ``1000·ε`` of the compute dtype).
         dtype: compute dtype (default float64 for float64 inputs, float32 otherwise).
-        cg_tol, cg_maxiter: relative residual and cap of the CG solve (LRM + GQA only);
-            default ``cg_tol`` is ``1e3·ε``.
+        cg_tol, cg_maxiter: relative residual and cap of the CG solves (LRM + GQA, ``lrm_internal``);
+            default ``cg_tol`` is :func:`~gaugeopt.projection.sylvester.default_cg_tol`
+            (``max(10·ε, 1e-13)``).
         joint_tol, joint_maxiter: stopping rule of the alternating joint projection (only
             when ``lrm_internal`` is combined with another sector); default ``joint_tol`` ``1e3·ε``.
         approx_iters: CG steps of ``mode="approx"`` (per dense batch; joint CG iterations of a
@@ -397,7 +398,7 @@ class GaugeProjector:
     def _setup(self, given: dict) -> None:
         self._dtype_now = self._compute_dtype(given)
         self._rtol_now = default_rtol(self._dtype_now) if self.rtol is None else self.rtol
-        self._cg_tol_now = default_rtol(self._dtype_now) if self.cg_tol is None else self.cg_tol
+        self._cg_tol_now = default_cg_tol(self._dtype_now) if self.cg_tol is None else self.cg_tol
 
     def _vertical_family(self, ctx, family, work, record=None, coeffs=None, out=None):
         """Add the vertical part of ``work`` in ``family`` (``[(sector, prepared)]``) into ``out``

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["default_rtol", "SylvesterInverse", "psd_solve", "psd_pinv_apply", "batched_pcg", "ShiftedSylvester", "GRAM_EIG"]
+__all__ = ["default_rtol", "default_cg_tol", "SylvesterInverse", "psd_solve", "psd_pinv_apply", "batched_pcg", "ShiftedSylvester", "GRAM_EIG"]
 
 # How the batched eigendecompositions of the Gram matrices P = F Fᵀ are computed:
 # "eigh" (torch.linalg.eigh of P), "svd" (singular values/vectors of the tall factor Fᵀ), or
@@ -58,6 +58,14 @@ GRAM_EIG = "auto"
 def default_rtol(dtype: torch.dtype) -> float:
     """The default relative eigenvalue threshold of the pseudo-inverse rule: ``1000·ε(dtype)``."""
     return 1000.0 * torch.finfo(dtype).eps
+
+
+def default_cg_tol(dtype: torch.dtype) -> float:
+    """The default relative residual of the exact mode's CG solves: ``max(10·ε(dtype), 1e-13)``
+    (float32 1.2e-6, float64 1e-13). Tighter than the pseudo-inverse rule, because what the residual
+    leaves is vertical part the projection returns: at ``1000·ε`` a float32 projection left ~1e-5 of
+    an update vertical; CG's recursive residual reaches this in one or two more iterations."""
+    return max(10.0 * torch.finfo(dtype).eps, 1e-13)
 
 
 def _eigh_clamped(mats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
