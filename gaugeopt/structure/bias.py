@@ -59,7 +59,7 @@ from gaugeopt.errors import GaugeError
 if TYPE_CHECKING:  # pragma: no cover
     from gaugeopt.structure.site import AttentionSite, TensorRef
 
-__all__ = ["BIAS_SECTORS", "BiasSector", "bias_kinds", "free_key_channels", "missing_reason"]
+__all__ = ["BIAS_SECTORS", "BiasSector", "bias_kinds", "free_key_channels", "missing_reason", "sector_dims"]
 
 BIAS_SECTORS = ("key_bias", "value_bias")
 
@@ -70,24 +70,45 @@ def free_key_channels(site: "AttentionSite") -> tuple[int, ...]:
     return tuple(c for c in range(site.d_k) if c not in rotated)
 
 
-def missing_reason(site: "AttentionSite", kind: str) -> str | None:
-    """Why ``site`` has no ``kind`` sector, or ``None`` when it has one."""
+def _reason(kind: str, *, k_bias: bool, v_bias: bool, o_bias: bool, qk_norm: bool, free: int, rope: str) -> str | None:
+    """Why a layer with these features has no ``kind`` sector (``None``: it has one)."""
     if kind == "key_bias":
-        if site.k.bias is None:
+        if not k_bias:
             return "its key projection has no bias"
-        if site.qk_norm is not None:
+        if qk_norm:
             return "it normalises the keys after the bias (QK-norm), so a shift is not the same for every key"
-        if not free_key_channels(site):
-            return (f"RoPE rotates every channel of its key heads ({site.rope.kind}, rotary_dim={site.rope.rotary_dim}); "
-                    "a shift on a rotated channel depends on the key's position and changes the function")
+        if not free:
+            return (f"RoPE rotates every channel of its key heads ({rope}); a shift on a rotated channel depends on "
+                    "the key's position and changes the function")
         return None
     if kind == "value_bias":
-        if site.v.bias is None:
+        if not v_bias:
             return "its value projection has no bias"
-        if site.o.bias is None:
+        if not o_bias:
             return "its output projection has no bias to absorb W_O·δ"
         return None
     raise GaugeError(f"bias sector kind={kind!r} is not one of {BIAS_SECTORS}")
+
+
+def missing_reason(site: "AttentionSite", kind: str) -> str | None:
+    """Why ``site`` has no ``kind`` sector, or ``None`` when it has one."""
+    return _reason(kind, k_bias=site.k.bias is not None, v_bias=site.v.bias is not None, o_bias=site.o.bias is not None,
+                   qk_norm=site.qk_norm is not None, free=len(free_key_channels(site)),
+                   rope=f"{site.rope.kind}, rotary_dim={site.rope.rotary_dim}")
+
+
+def sector_dims(*, h_kv: int, d_k: int, d_v: int, rotary_dim: int, k_bias: bool, v_bias: bool, o_bias: bool,
+                qk_norm: bool) -> dict[str, int]:
+    """``{kind: dimension}`` of the bias sectors of a layer with these features (no weights needed):
+    ``key_bias`` ``h_kv·(d_k − r)``, ``value_bias`` ``h_kv·d_v``, where the layer has them.
+
+    Example:
+        >>> sector_dims(h_kv=12, d_k=64, d_v=64, rotary_dim=0, k_bias=True, v_bias=True, o_bias=True, qk_norm=False)
+        {'key_bias': 768, 'value_bias': 768}
+    """
+    flags = dict(k_bias=k_bias, v_bias=v_bias, o_bias=o_bias, qk_norm=qk_norm, free=d_k - rotary_dim, rope="")
+    dims = {"key_bias": h_kv * (d_k - rotary_dim), "value_bias": h_kv * d_v}
+    return {k: n for k, n in dims.items() if _reason(k, **flags) is None}
 
 
 def bias_kinds(site: "AttentionSite") -> tuple[str, ...]:

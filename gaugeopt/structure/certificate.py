@@ -40,7 +40,7 @@ Example:
     >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, rope="split_half"))
     >>> report = gaugeopt.certify(model, torch.randint(0, 64, (2, 16)))
     >>> [sorted(layer.sectors) for layer in report.layers][0]
-    ['perm', 'qk', 'vo']
+    ['perm', 'qk', 'value_bias', 'vo']
     >>> report.worst_valid < 1e-10 < 1e-3 < report.weakest_control
     True
 """
