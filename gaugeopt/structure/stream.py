@@ -41,7 +41,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -171,7 +171,11 @@ class StreamShape:
 
 @dataclass
 class ResidualStream:
-    """The residual-stream record of one model (module docstring); :func:`find_stream` builds it."""
+    """The residual-stream record of one model (module docstring); :func:`find_stream` builds it.
+
+    ``float32_steps`` says what the model computes in float32 even in a float64 model (Hugging
+    Face's ``LlamaRMSNorm`` rounds the hidden states through float32), which bounds how exactly a
+    stream symmetry can be observed (``""``: nothing)."""
 
     kind: str
     model: nn.Module
@@ -185,7 +189,7 @@ class ResidualStream:
     d_model: int
     d_ff: int
     vocab: int
-    features: tuple[str, ...] = field(default_factory=tuple)
+    float32_steps: str = ""
 
     @property
     def tied(self) -> bool:
@@ -326,7 +330,8 @@ def find_stream(model: nn.Module) -> ResidualStream:
         tok = _embedding(model, "model.embed_tokens")
         return ResidualStream("hf_" + cls.removesuffix("ForCausalLM").lower(), model, "rmsnorm", "swiglu", tok, None, sb,
                               _norm(model, "model.norm"), _head(model, "lm_head", tok), cfg.hidden_size,
-                              cfg.intermediate_size, cfg.vocab_size)
+                              cfg.intermediate_size, cfg.vocab_size,
+                              float32_steps=f"RMSNorm in float32 ({cls.removesuffix('ForCausalLM')}RMSNorm casts to float32 and back)")
     raise GaugeError(
         f"find_stream: no residual-stream description for {type(model).__qualname__}; the sectors beyond attention "
         "(norm gains, LayerNorm families, residual rotations, MLP rescales) are derived for gaugeopt's GPT, Hugging Face "

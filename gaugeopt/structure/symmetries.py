@@ -169,16 +169,23 @@ def _lrm_family(name: str, m: LRMLinear) -> Family:
 
 def symmetry_families(model: nn.Module, *, sites=None) -> tuple[list[Family], str]:
     """Every family of ``model`` (module docstring) and a note: ``""``, or why the stream sectors are
-    missing (:func:`~gaugeopt.structure.stream.find_stream` refused the model)."""
+    missing (:func:`~gaugeopt.structure.stream.find_stream` refused the model) and what the model
+    computes in float32 (its symmetries are then exact only to float32 rounding)."""
     from gaugeopt.structure.stream import find_stream
     from gaugeopt.structure.stream_sectors import stream_families
 
     sites = find_attention(model) if sites is None else list(sites)
     fams = [f for s in sites for f in attention_families(s)]
     fams += [_lrm_family(n, m) for n, m in model.named_modules() if isinstance(m, LRMLinear)]
-    note = ""
+    float32 = [f"{s.name} computes {s.float32_steps}" for s in sites if s.float32_steps]
+    missing = []
     try:
-        fams += stream_families(find_stream(model))
+        stream = find_stream(model)
+        fams += stream_families(stream)
+        if stream.float32_steps:
+            float32.append(f"the model computes {stream.float32_steps}")
     except GaugeError as err:
-        note = str(err)
-    return sorted(fams, key=lambda f: not f.exact), note
+        missing.append(str(err))
+    if float32:
+        float32.append("a float32 step rounds every symmetry to ~1e-7: measure with it computed in float64")
+    return sorted(fams, key=lambda f: not f.exact), "; ".join(missing + float32)

@@ -15,10 +15,14 @@ attributes them to the symmetries gaugeopt knows (:mod:`gaugeopt.tools.attributi
    vectors by shift-inverted subspace iteration with ``(G + μ'I)⁻¹`` (Cholesky); then
    Rayleigh–Ritz **with J itself** (SVD of ``J·V``), so the small singular values are not squared:
    null ones come out at ``1e-13…1e-15·σ_max`` instead of the ``~1e-8`` floor of ``G``'s eigenvalues.
-3. The rank: the tolerance is the geometric mean of the two singular values across the largest
-   ratio ``σ_{k+1}/σ_k`` in that refined tail (values clamped at ``sigma_floor`` so that rounding
-   noise among exact zeros is not mistaken for the gap), unless ``tol`` is given.
-   :class:`FlatReport` states both sides of the gap, their ratio and the next-largest ratio.
+3. The rank: the tolerance is the geometric mean of the two singular values across the *lowest*
+   ratio ``σ_{k+1}/σ_k ≥ min_gap`` (default ``1e3``; the largest ratio when none is) in that refined
+   tail, with values clamped at ``sigma_floor`` so that rounding noise among exact zeros is not
+   mistaken for a gap — unless ``tol`` is given. The lowest, not the largest: exact zeros sit at
+   rounding level (``≲ 1e-12·σ_max``), while a near-symmetry — the global rescale of the residual
+   stream, broken only by the norms' ``ε`` — can sit alone at ``~1e-9`` with a still larger ratio
+   above it; it is not a symmetry. :class:`FlatReport` states both sides of the chosen gap, their
+   ratio and the largest other ratio.
 4. Columns of ``J`` that are exactly zero — coordinates the inputs never read (an unused token's
    embedding row) — are reported separately (:attr:`FlatReport.unused`); they are flat for
    these inputs, not symmetries.
@@ -66,7 +70,8 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 
-__all__ = ["FlatReport", "SectorRow", "flat_directions", "covering_tokens", "measure", "DEFAULT_MAX_PARAMS"]
+__all__ = ["FlatReport", "SectorRow", "flat_directions", "covering_tokens", "suggested_sequences", "measure",
+           "too_large_message", "DEFAULT_MAX_PARAMS"]
 
 DEFAULT_MAX_PARAMS = 10_000
 
@@ -115,8 +120,8 @@ class FlatReport:
         n_params, n_outputs, n_examples: sizes of the problem (``J`` is ``n_outputs × n_params``).
         rank, nullity: numerical rank of ``J`` at :attr:`tol` and ``n_params − rank``.
         tol: the relative tolerance used; ``sigma_kept`` the smallest kept value, ``sigma_null``
-            the largest null one, ``gap = sigma_kept / sigma_null``, ``second_gap`` the next-largest
-            ratio in the tail (a clear rank has ``gap ≫ second_gap``).
+            the largest null one, ``gap = sigma_kept / sigma_null``, ``second_gap`` the largest other
+            ratio in the tail.
         tail: the refined singular values of the block, ascending.
         unused: names of the coordinates with an all-zero Jacobian column (never read by the inputs);
             ``unused_index`` their flat indices.
@@ -169,7 +174,7 @@ class FlatReport:
             f"parameters {self.n_params:,}  outputs {self.n_outputs:,} ({self.n_examples} examples)  rank {self.rank:,}  "
             f"nullity {self.nullity:,}" + (f" (of which {len(self.unused)} unused coordinates)" if self.unused else ""),
             f"tolerance sigma/sigma_max = {self.tol:.1e}: null <= {self.sigma_null:.2e}, kept >= {self.sigma_kept:.2e}, "
-            f"gap x{self.gap:.1e} (next-largest ratio in the tail x{self.second_gap:.1e}); sigma_max = {self.sigma_max:.3e}",
+            f"gap x{self.gap:.1e} (largest other ratio in the tail x{self.second_gap:.1e}); sigma_max = {self.sigma_max:.3e}",
         ]
         if self.gap < 1e3:
             out.append(f"WARNING: the gap is only x{self.gap:.0f}: the rank is ill-determined (too little data, or near-symmetries)")
@@ -197,6 +202,17 @@ def _e(x: float) -> str:
     return "-" if x != x else f"{x:.1e}"
 
 
+def too_large_message(n: int, max_params: int) -> str:
+    """Why the meter refuses a model of ``n`` parameters, and what to do instead."""
+    return (
+        f"flat_directions: the model has {n:,} parameters, more than max_params={max_params:,}: the meter forms the "
+        f"Jacobian (outputs × parameters) and its {n:,}×{n:,} Gram matrix in float64 (~{8 * n * n / 1e6:,.0f} MB, and "
+        "cubic time). Measure a small model of the same architecture (fewer layers, a smaller width and vocabulary: "
+        "the symmetries are per layer), count at scale with gaugeopt.gauge_dimension(model, convention='complete') "
+        "(gaugeopt count), or raise max_params if you have the memory"
+    )
+
+
 # ---------------------------------------------------------------------- inputs and progress
 def covering_tokens(vocab: int, length: int, n_sequences: int, seed: int = 0) -> torch.Tensor:
     """``(n_sequences, length)`` token ids whose first ``⌈vocab/length⌉`` rows hold every id once
@@ -216,6 +232,17 @@ def covering_tokens(vocab: int, length: int, n_sequences: int, seed: int = 0) ->
     cover = torch.cat([first, torch.randint(0, vocab, (k * length - vocab,), generator=g)]).reshape(k, length)
     rest = torch.randint(0, vocab, (max(n_sequences - k, 0), length), generator=g)
     return torch.cat([cover, rest])[:n_sequences]
+
+
+def suggested_sequences(model: nn.Module, vocab: int, length: int, factor: float = 2.0) -> int:
+    """Sequences of ``length`` tokens for a language model: ``factor`` times as many positions ×
+    ``d_model`` as parameters (a position adds at most ``d_model`` directions below the head), plus
+    the ``⌈vocab/length⌉`` that hold every token id (:func:`covering_tokens`)."""
+    from gaugeopt.structure.registry import find_attention
+
+    d = find_attention(model)[0].d_model
+    n = sum(p.numel() for p in model.parameters())
+    return math.ceil(factor * n / (length * d)) + math.ceil(vocab / length)
 
 
 class _Progress:
@@ -293,6 +320,7 @@ def measure(
     shift_rtol: float = 1e-6,
     iters: int = 5,
     sigma_floor: float = 1e-13,
+    min_gap: float = 1e3,
 ) -> dict:
     """The spectrum near zero of ``J`` (float64) and its numerical rank (module docstring, steps 2–3).
 
@@ -334,11 +362,13 @@ def measure(
     lr = torch.log10(rel.clamp_min(sigma_floor))
     gaps = lr[1:] - lr[:-1]
     second = float("nan")
-    if tol is None:
-        i = int(torch.argmax(gaps))
+    if tol is None:  # the lowest ratio ≥ min_gap, else the largest: zeros sit at rounding level, and a
+        big = torch.nonzero(gaps >= math.log10(min_gap)).flatten()  # near-symmetry (σ ~ 1e-9) is not one
+        i = int(big[0]) if big.numel() else int(torch.argmax(gaps))
         tol = float(10 ** (0.5 * (lr[i] + lr[i + 1])))
-        if gaps.numel() > 1:
-            second = float(10 ** torch.topk(gaps, 2).values[1])
+        others = torch.cat([gaps[:i], gaps[i + 1:]])
+        if others.numel():
+            second = float(10 ** others.max())
     k = int((rel < tol).sum())
     if k >= b:
         raise GaugeError(f"flat_directions: all {b} computed directions are below tol={tol:.1e}; raise count_rtol or extra")
@@ -373,7 +403,7 @@ def flat_directions(
         max_params: refuse larger models (the method is dense: ``n²`` memory).
         progress: ``True`` prints stage lines on stderr, ``False`` nothing, a callable receives
             them; ``None`` prints when the model has more than 3,000 parameters.
-        **kw: ``count_rtol``, ``extra``, ``shift_rtol``, ``iters``, ``sigma_floor`` of :func:`measure`;
+        **kw: ``count_rtol``, ``extra``, ``shift_rtol``, ``iters``, ``sigma_floor``, ``min_gap`` of :func:`measure`;
             ``angle_tol``, ``exact_tol``, ``seed`` of :func:`gaugeopt.tools.attribution.attribute`.
 
     Returns:
@@ -388,14 +418,7 @@ def flat_directions(
                          "the meter resolves singular values down to 1e-15·σ_max only in float64: call model.double() first")
     n = sum(p.numel() for p in model.parameters())
     if n > max_params:
-        gb = 8 * n * n / 1e9
-        raise GaugeError(
-            f"flat_directions: the model has {n:,} parameters, more than max_params={max_params:,}: the meter forms the "
-            f"Jacobian (outputs × parameters) and its {n:,}×{n:,} Gram matrix in float64 (~{gb:.1f} GB, and cubic time). "
-            "Measure a small model of the same architecture (fewer layers, a smaller n_embd and vocabulary: the "
-            "symmetries are per layer), count at scale with gaugeopt.gauge_dimension(model, convention='complete'), "
-            "or raise max_params if you have the memory"
-        )
+        raise GaugeError(too_large_message(n, max_params))
     if not example_inputs:
         raise GaugeError("flat_directions: pass example inputs (e.g. covering_tokens(vocab, length, n_sequences))")
     lead = example_inputs[0].shape[0]
@@ -404,7 +427,7 @@ def flat_directions(
                                                               for a in example_inputs))).numel()
     # one reverse-mode call per example: a batch would backpropagate every output through every example
     examples = [tuple(a[i:i + 1] if isinstance(a, torch.Tensor) else a for a in example_inputs) for i in range(lead)]
-    meas_kw = {k: kw.pop(k) for k in ("count_rtol", "extra", "shift_rtol", "iters", "sigma_floor") if k in kw}
+    meas_kw = {k: kw.pop(k) for k in ("count_rtol", "extra", "shift_rtol", "iters", "sigma_floor", "min_gap") if k in kw}
     prog = _Progress(progress, n)
     t0 = time.perf_counter()
     J, names, sizes = _jacobian(model, examples, lead * per_example, outputs or _default_outputs, prog)
