@@ -298,11 +298,14 @@ def _cmd_canonicalize(args) -> int:
     _check_output(args.output, [ckpt], args.force)
     report = canonicalize(
         ckpt.model, args.section, residual=args.residual, sort_heads=not args.no_sort,
-        fold_multipliers=not args.keep_multipliers,
+        fold_multipliers=not args.keep_multipliers, biases=args.biases,
     )
     canon = report.model
     print(f"canonicalised {args.target} (section {args.section}, residual {args.residual}, "
-          f"heads {'kept in place' if args.no_sort else 'sorted'}, {args.dtype})\n")
+          f"heads {'kept in place' if args.no_sort else 'sorted'}, biases {args.biases}, {args.dtype})\n")
+    if args.biases == "fold":
+        print(f"bias sectors: {report.bias_zeroed:,} bias entries are now zero (b_K on non-rotary channels; b_V, "
+              "folded into b_O): parameters a checkpoint in this form does not need\n")
     b, a = report.before.summary(), report.after.summary()
     labels = [("value_orthonormality", "||W_V W_V^T - I||_F (value orthonormality)"),
               ("qk_imbalance", "Q/K imbalance ||P - R||_F / ||P||_F"),
@@ -433,6 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sort", action="store_true", help="keep the head order")
     p.add_argument("--keep-multipliers", action="store_true",
                    help="LRM: keep the multipliers (only the effective weights become canonical)")
+    p.add_argument("--biases", choices=("fold", "keep"), default="fold",
+                   help="fold: b_K = 0 on non-rotary channels, b_V folded into b_O (default); keep: leave the biases")
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--force", action="store_true", help="replace existing output files, even an input")
