@@ -103,3 +103,88 @@ def test_key_bias_under_rope_is_refused_and_is_not_a_symmetry(name):
         for s in range(3)]
     print(f"{name}: the key-bias shift on RoPE-rotated channels changes the logits by {min(changes):.3f}–{max(changes):.3f}")
     assert min(changes) > 1e-3
+
+
+def _as_field(model, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    out, off = {}, 0
+    for n, p in model.named_parameters():
+        out[n] = flat[off:off + p.numel()].view_as(p).clone()
+        off += p.numel()
+    return out
+
+
+@pytest.mark.parametrize("name, lrm", CASES, ids=IDS)
+def test_projector_removes_the_bias_sectors(name, lrm):
+    """GaugeProjector (auto) has the bias sectors: each generator (complex step of the finite action) is
+    vertical to 1e-9, alone and jointly with the overlapping head gauges; the joint projection equals least
+    squares against every generator stacked; a direction off the sector (b_K on a rotated channel) is not."""
+    import numpy as np
+    import projection_helpers as H
+    from gaugeopt.projection.projector import GaugeProjector
+
+    case = zoo.build(name, 2, lrm=lrm)
+    model = case.model
+    proj = GaugeProjector(model, joint_tol=1e-14)
+    kinds = sorted({k for s in gaugeopt.find_attention(model) for k in s.bias_kinds})
+    assert set(kinds) <= set(proj.sectors)
+    worst = 1.0
+    for kind in kinds:
+        imgs = [img for _, img in H.generator_images(model, kind)]
+        for img in imgs[:: max(1, len(imgs) // 4)]:
+            alone = gaugeopt.vertical_fraction(model, img, sectors=(kind,))
+            joint = gaugeopt.vertical_fraction(model, img, projector=proj)
+            worst = min(worst, alone, joint)
+    print(f"{case.name}: {', '.join(kinds)}: smallest vertical fraction of a generator {worst:.15f}")
+    assert worst >= 1 - 1e-9
+    site = gaugeopt.find_attention(model)[0]
+    u = H.random_field(model, seed=4)
+    dec = proj.decompose(u)
+    assert dec.info["joint_iterations"] >= 1 and dec.info["joint_residual"] <= 1e-14
+    if not lrm:  # layers are independent without LRM: least squares over layer 0's generators, on its entries
+        names = site.parameter_names()  # (the LRM model's joint projection: tests/test_projection.py)
+        A = np.stack([H.flatten(model, img, names) for s in proj.sectors
+                      for _, img in H.generator_images(model, s, prefix=site.name)], 1)
+        ref, _ = H.ls_vertical(A, H.flatten(model, u, names))
+        mine = H.flatten(model, dec.vertical, names)
+        assert np.linalg.norm(mine - ref) <= 1e-9 * np.linalg.norm(ref)
+    rotated = sorted(c for p in site.rope.planes(site.d_k) for c in p)
+    if rotated and site.k.bias is not None:  # the key-bias shift on a rotated channel is not a gauge direction
+        w = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        site.k.bias.view(w[site.k.bias.name])[0, rotated[0]] = 1.0
+        off = gaugeopt.vertical_fraction(model, w, projector=proj)
+        print(f"  b_K on rotated channel {rotated[0]}: vertical fraction {off:.3f}")
+        assert off < 0.5
+
+
+def test_key_bias_sector_is_refused_under_full_rope():
+    from gaugeopt.projection.projector import GaugeProjector
+
+    case = zoo.build("gpt_rope_interleaved", 1)
+    assert "key_bias" not in GaugeProjector(case.model).sectors
+    with pytest.raises(GaugeError, match="'key_bias'.*not present.*key bias on channels RoPE does not rotate"):
+        GaugeProjector(case.model, sectors=("key_bias",))
+
+
+def test_gauge_projected_steps_have_no_bias_sector_part():
+    """The update GaugeProjected applies has no vertical part in the bias sectors (an unprojected AdamW
+    step has some); the function-changing part of the step is what remains."""
+    case = zoo.build("gpt", 3)
+    model = case.model
+    x = case.inputs
+
+    def update(wrap: bool) -> dict[str, torch.Tensor]:
+        m = case.copy()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        if wrap:
+            opt = gaugeopt.GaugeProjected(opt, m)
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+        _, loss = m(x, x)
+        loss.backward()
+        opt.step()
+        return {n: p.detach() - before[n] for n, p in m.named_parameters()}
+
+    for wrap, test in ((False, lambda f: f > 1e-3), (True, lambda f: f <= 1e-10)):
+        step = update(wrap)
+        fracs = {k: gaugeopt.vertical_fraction(model, step, sectors=(k,)) for k in ("key_bias", "value_bias")}
+        print(f"GaugeProjected={wrap}: bias-sector vertical fractions of the step {fracs}")
+        assert all(test(f) for f in fracs.values()), fracs
