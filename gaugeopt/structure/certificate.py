@@ -24,8 +24,8 @@ heads it has and how RoPE pairs its coordinates. :func:`certify` checks the clai
 
 A layer whose module computes part of the attention in float32 even in float64 (recorded in
 :attr:`~gaugeopt.AttentionSite.float32_steps`, e.g. torchtitan's RoPE, GPT-J's eager scores)
-gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries, keys or scores (``qk``,
-``qk_gain``, ``lrm_qk``, ``perm``, ``key_bias``); the controls still need ``1e-3``. One layer is copied at a
+gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries, keys, scores or values
+through the softmax (``qk``, ``qk_gain``, ``lrm_qk``, ``perm``, ``key_bias``, ``value_bias``); the controls still need ``1e-3``. One layer is copied at a
 time, so the cost is one float64 attention layer, whatever the model's size.
 
 A wrong record fails: a wrong head count or GQA map, a forgotten partial rotary or a missing
@@ -78,9 +78,10 @@ __all__ = [
 VALID_TOL = 1e-10
 FLOAT32_TOL = 1e-6
 CONTROL_MIN = 1e-3
-# The sectors that rescale, rotate or reorder queries and keys: the ones a float32 step in q·kᵀ, RoPE or a
-# Q/K norm (whose mean over all heads' channels a head permutation reorders) can see.
-_QK_SECTORS = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias")
+# The sectors that rescale, rotate or reorder queries and keys, or shift the scores or the values: the ones a
+# float32 step in q·kᵀ, RoPE, a Q/K norm (whose mean over all heads' channels a head permutation reorders) or the
+# softmax (whose rows then sum to one only to float32 rounding) can see.
+_QK_SECTORS = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias", "value_bias")
 # How closely a float64 rerun must reproduce the module's output in the model's own forward, by dtype.
 _RERUN_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
