@@ -130,6 +130,9 @@ def test_projector_removes_the_bias_sectors(name, lrm):
     worst = 1.0
     for kind in kinds:
         imgs = [img for _, img in H.generator_images(model, kind)]
+        mine = [img for _, img in proj.basis(sectors=(kind,))]  # the projector's own generators, same order
+        A, B = (np.stack([H.flatten(model, i) for i in x], 1) for x in (imgs, mine))
+        assert A.shape == B.shape and np.abs(A - B).max() <= 1e-12 * np.abs(A).max()
         for img in imgs[:: max(1, len(imgs) // 4)]:
             alone = gaugeopt.vertical_fraction(model, img, sectors=(kind,))
             joint = gaugeopt.vertical_fraction(model, img, projector=proj)

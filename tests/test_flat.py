@@ -126,3 +126,20 @@ def test_complete_count_refuses_what_it_does_not_describe():
     with pytest.raises(GaugeError, match="model_type='qwen3'"):
         gaugeopt.gauge_dimension({"model_type": "qwen3", "num_hidden_layers": 1, "num_attention_heads": 2,
                                   "hidden_size": 8, "vocab_size": 11, "intermediate_size": 8}, "complete")
+
+
+def test_a_float32_step_is_reported_not_hidden():
+    """HF Llama as shipped rounds its RMSNorm through float32: the report says so, and the residual rotations —
+    exact in float64 arithmetic — show as a sector that claims a symmetry and fails its finite check."""
+    model, x = flat_helpers.build("hf_llama")
+    rep = flat_directions(model, x, progress=False)
+    failed = [r for r in rep.near_flat if r.expected]
+    print(f"\nunpatched HF Llama: nullity {rep.nullity} (float64 RMSNorm: {NULLITY['hf_llama']}); "
+          f"failed: {[(r.name, f'{r.finite:.1e}') for r in failed]}")
+    assert "LlamaRMSNorm casts to float32" in rep.note and "EXPECTED EXACT BUT IS NOT" in rep.table()
+    assert [r.name for r in failed] == ["residual_rotation"] and 1e-12 < failed[0].finite < 1e-5
+    assert rep.nullity < NULLITY["hf_llama"]
+    from gaugeopt.structure.stream import find_stream
+
+    with flat_helpers.float64_rmsnorm():  # a replaced forward is not reported
+        assert find_stream(model).float32_steps == ""

@@ -328,10 +328,12 @@ def find_stream(model: nn.Module) -> ResidualStream:
                           _linear(model, f"{p}.{i}.mlp.up_proj"), _linear(model, f"{p}.{i}.mlp.gate_proj"),
                           _linear(model, f"{p}.{i}.mlp.down_proj")) for i, a in enumerate(atts)]
         tok = _embedding(model, "model.embed_tokens")
+        norm_cls = type(model.model.norm)
+        stock = getattr(norm_cls.forward, "__module__", "") == norm_cls.__module__  # not replaced by a float64 one
         return ResidualStream("hf_" + cls.removesuffix("ForCausalLM").lower(), model, "rmsnorm", "swiglu", tok, None, sb,
                               _norm(model, "model.norm"), _head(model, "lm_head", tok), cfg.hidden_size,
                               cfg.intermediate_size, cfg.vocab_size,
-                              float32_steps=f"RMSNorm in float32 ({cls.removesuffix('ForCausalLM')}RMSNorm casts to float32 and back)")
+                              float32_steps=f"RMSNorm in float32 ({norm_cls.__name__} casts to float32 and back)" if stock else "")
     raise GaugeError(
         f"find_stream: no residual-stream description for {type(model).__qualname__}; the sectors beyond attention "
         "(norm gains, LayerNorm families, residual rotations, MLP rescales) are derived for gaugeopt's GPT, Hugging Face "
