@@ -54,10 +54,13 @@ by conjugate gradients on the normal equations ``P_i(I − P_k)Σ_j a_j = P_i(I 
 families ``P1(I − P2)P1`` (see :meth:`GaugeProjector._joint`) — stopped when the part of the result
 still in the other families' spans is ``≤ joint_tol·‖u‖`` (it is exactly orthogonal to the last):
 the result differs from ``u`` by a sum of generators and is orthogonal to all of them to that
-tolerance, which characterises the exact joint projection (``info["joint_residual"]``). The bias
-groups take 10–25 iterations of their two sectors in float64 (tiny GPT-2-like models, a width-768
-layer), so with biases ``"auto"`` costs several times the head gauges alone;
-``sectors=("qk", "vo")`` leaves the bias sectors out. The diagonal multiplier gauges are redundant there:
+tolerance, which characterises the exact joint projection (``info["joint_residual"]``).
+``{qk, key_bias}`` has a closed form instead (the key bias is a coordinate subspace ``E``, and
+``(I − P_E)`` of the ``qk`` sector is the ``qk`` sector at ``b̄_K = 0`` there:
+:meth:`GaugeProjector._qk_with_key_bias`), used whenever no coefficients are asked for. The
+``{vo, value_bias}`` group takes 10–25 CG iterations of its two sectors in float64, so with biases
+``"auto"`` costs several times the head gauges alone; ``sectors=("qk", "vo")`` leaves the bias
+sectors out. The diagonal multiplier gauges are redundant there:
 ``lrm_qk`` generators are ``qk`` generators (diagonal ``X``) plus ``lrm_internal`` row rescalings
 of the Q and K blocks (likewise ``lrm_vo``), so with ``qk`` (``vo``) and ``lrm_internal`` requested
 they are left out of the joint solve — same span, better conditioned (``lrm_qk`` and
@@ -480,6 +483,8 @@ class GaugeProjector:
             if len(families) == 1:
                 family = [(self._impl[s], self._impl[s].prepare(ctx)) for s in families[0]]
                 part = self._vertical_family(ctx, family, work, None if joint else record, coeffs)
+            elif families == [["qk"], ["key_bias"]] and coeffs is None:
+                part = self._qk_with_key_bias(ctx, work)
             else:
                 part = self._joint_component(ctx, families, work, coeffs, info)
             for n, v in part.items():
@@ -489,6 +494,33 @@ class GaugeProjector:
             info["approx_left_estimate"] = torch.where(usq > 0, (ctx._left_sq.double() / usq).sqrt(), usq)
         self.last_info = dict(info)
         return work, vert, dict(info)
+
+    def _qk_with_key_bias(self, ctx, work) -> dict[str, torch.Tensor]:
+        """The projection onto ``span(qk) + E`` in closed form, ``E`` the key-bias coordinates (non-rotary
+        channels of ``b̄_K``): ``P = P_E + P_{(I−P_E)V_qk}(I − P_E)``. A ``qk`` generator's component
+        in ``E`` is ``−X̃ b̄_K`` on those channels, and ``X̃`` (in the RoPE commutant, twisted by a
+        diagonal) never mixes rotary and non-rotary channels, so ``(I − P_E)V_qk`` is the ``qk`` sector
+        at θ with ``b̄_K = 0`` there — one ``qk`` projection at that point instead of a joint CG.
+        (Used when no coefficients are asked for; :meth:`decompose` takes the joint CG, whose
+        coefficients are the ones at θ.)"""
+        kb, qk = self._impl["key_bias"], self._impl["qk"]
+        at = dict(ctx.at or {})
+        u = dict(work)
+        for b in kb.secs:
+            name, idx = b.bias.name, list(b.channels)
+            if name not in u or u[name] is work[name]:
+                u[name] = work[name].clone()
+                at[name] = ctx.weight(name).clone()
+            b.bias.view(at[name])[:, idx] = 0
+            b.bias.view(u[name])[:, idx] = 0
+        shifted = _Ctx(self, at)
+        shifted.mode = ctx.mode
+        vert = self._vertical_family(shifted, [(qk, qk.prepare(shifted))], u)
+        for key in ("cg_iterations", "cg_residual"):
+            ctx.info[key] = max(ctx.info[key], shifted.info[key])
+        for n, v in self._vertical_family(ctx, [(kb, kb.prepare(ctx))], work).items():
+            vert[n] = vert[n] + v if n in vert else v
+        return vert
 
     def _joint_component(self, ctx, families: list[list[str]], work, coeffs, info) -> dict[str, torch.Tensor]:
         """The vertical part of ``work`` in one component of overlapping families (:func:`_components`)."""
