@@ -614,6 +614,9 @@ class GaugeProjector:
             def copy_(dst, src):
                 return dst.copy_(src)
 
+            def zero_(x):
+                return x.zero_()
+
             def dot(x, y):
                 return float(torch.dot(x, y))
 
@@ -623,9 +626,7 @@ class GaugeProjector:
                 return {n: torch.zeros_like(u[n]) for n in names}
 
             def P(fam, x, out, c=None):
-                for t in out.values():
-                    t.zero_()
-                self._vertical_family(ctx, fam, x, coeffs=c, out=out)
+                self._vertical_family(ctx, fam, x, coeffs=c, out=zero_(out))
                 return out
 
             def axpy_(a, x, y):
@@ -643,13 +644,17 @@ class GaugeProjector:
                     dst[n].copy_(src[n])
                 return dst
 
+            def zero_(x):
+                for t in x.values():
+                    t.zero_()
+                return x
+
             def dot(x, y):
                 return sum(float((x[n] * y[n]).sum()) for n in names)
 
             u_vec, unflat = {n: u[n] for n in names}, lambda d: d
         u = u_vec
         k = len(firsts)
-        zero = new()
         w, tmp = new(), new()  # work buffers
         a, r, p, Sp, delta = ([new() for _ in range(k)] for _ in range(5))
 
@@ -679,7 +684,7 @@ class GaugeProjector:
             rr = bdot(r, r)
             for p_, r_, d_ in zip(p, r, delta):
                 copy_(p_, r_)
-                xpby_(zero, 0.0, d_)  # δ ← 0
+                zero_(d_)
             while iters < maxiter:
                 reduced(p, Sp)
                 pSp = bdot(p, Sp)
