@@ -4,7 +4,9 @@ Attention has continuous symmetries (gauges): ``W_Q ← AᵀW_Q, W_K ← A⁻¹W
 ``W_V ← CᵀW_V, W_O ← W_O C⁻ᵀ`` per head leave the function unchanged. gaugeopt finds them in
 a model (:func:`find_attention`; :class:`AttentionSpec` describes a new architecture and
 :func:`certify` proves the description on it), fixes them while training (GaugeFix-LRM), projects
-optimizer updates orthogonally to them, and canonicalises, compares and merges checkpoints.
+optimizer updates orthogonally to them, and canonicalises, compares and merges checkpoints;
+:func:`flat_directions` measures how many flat directions a small model has and which symmetries
+explain them.
 
 The core imports only torch. Lightning callbacks live in :mod:`gaugeopt.callbacks`, Triton
 kernels in :mod:`gaugeopt.kernels`.
@@ -21,6 +23,7 @@ from gaugeopt.structure.actions import invalid_gauge_transform, random_gauge_tra
 from gaugeopt.tools.canonical import canonical_metrics, canonicalize
 from gaugeopt.tools.checkpoint import load_checkpoint, save_checkpoint
 from gaugeopt.tools.counting import gauge_dimension
+from gaugeopt.tools.flat import FlatReport, flat_directions
 from gaugeopt.projection.diagnostics import vertical_fraction, vertical_report
 from gaugeopt.tools.equivalence import equivalent, spectral_fingerprint
 from gaugeopt.errors import GaugeError
@@ -43,6 +46,7 @@ __all__ = [
     "AttentionSite",
     "AttentionSpec",
     "CertificateReport",
+    "FlatReport",
     "QKNormSpec",
     "certify",
     "GaugeError",
@@ -57,6 +61,7 @@ __all__ = [
     "canonicalize",
     "equivalent",
     "find_attention",
+    "flat_directions",
     "spectral_fingerprint",
     "gauge_dimension",
     "gauge_fix",

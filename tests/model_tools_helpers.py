@@ -38,8 +38,9 @@ CORE_IDS = [n + ("+lrm" if lrm else "") for n, lrm in CORE_CASES]
 
 
 def gauge_kinds(lrm: bool):
-    """The acceptance transform, plus every multiplier gauge on LRM models."""
-    return "all" if lrm else ("qk", "vo", "perm")
+    """Every gauge kind the model has: the head gauges, the bias sectors where the biases exist, and
+    every multiplier gauge on LRM models (``lrm`` is implied by the model; kept for the call sites)."""
+    return "all"
 
 
 def state_diff(a: nn.Module, b: nn.Module) -> float:
@@ -117,9 +118,13 @@ def section_violation(model: nn.Module, section: str, residual: str = "fix") -> 
 def explicit_qk_forms(site, i: int) -> list[torch.Tensor]:
     """The ``(d+1)×(d+1)`` QK invariants ``[W_Q|b_Q]ᵀ E [W_K|b_K]`` of query head ``i``, formed
     densely: ``E = I`` without RoPE; per plane the projector and the rotation generator, plus
-    the projector on the non-rotary coordinates."""
+    the projector on the non-rotary coordinates. The key-bias shift is quotiented by zeroing
+    ``b_K`` on the non-rotary coordinates ``r..d_k−1`` (a plain site: no QK-norm)."""
     wq, bq = effective(site, "q")
     wk, bk = effective(site, "k")
+    if bk is not None:
+        bk = bk.clone()
+        bk[:, site.rope.rotary_dim:] = 0
 
     def aug(w, b):
         return torch.cat([w, (torch.zeros(w.shape[0], 1, dtype=w.dtype) if b is None else b[:, None])], 1)
@@ -143,8 +148,12 @@ def explicit_qk_forms(site, i: int) -> list[torch.Tensor]:
 
 
 def explicit_ov_form(site, i: int) -> torch.Tensor:
+    """``W_O[:, i][W_V[j] | b_V[j]]``; with an output bias the value-bias trade is quotiented by
+    dropping ``b_V`` (its image ``W_O b_V`` is compared with the output bias)."""
     wv, bv = effective(site, "v")
-    wo, _ = effective(site, "o")
+    wo, bo = effective(site, "o")
+    if bo is not None:
+        bv = None
     j = i // site.n_rep
     xv = torch.cat([wv[j], (torch.zeros(site.d_v, 1, dtype=wv.dtype) if bv is None else bv[j][:, None])], 1)
     return wo[:, i] @ xv

@@ -2,7 +2,7 @@
 
 Generators are the derivatives of the *finite* gauge actions of :mod:`gaugeopt.structure.actions`
 (``act_qk``, ``act_vo``, ``scale_qk_multipliers``, ``scale_vo_multipliers``,
-``rescale_lrm_internal``, ``scale_qk_gains``) at the identity, taken by the complex-step method: on a complex
+``rescale_lrm_internal``, ``scale_qk_gains``, ``shift_key_bias``, ``trade_value_bias``) at the identity, taken by the complex-step method: on a complex
 copy of the model, apply the action with group element ``I + iε·E`` and read
 ``Im(θ)/ε`` — exact to rounding (no subtractive cancellation, truncation ``O(ε²)`` with
 ``ε = 1e-30``). Nothing here uses gaugeopt's generator formulas or solvers.
@@ -24,7 +24,8 @@ import torch.nn as nn
 
 import gaugeopt
 from gaugeopt.structure.actions import (
-    act_qk, act_vo, rescale_lrm_internal, scale_qk_gains, scale_qk_multipliers, scale_vo_multipliers,
+    act_qk, act_vo, rescale_lrm_internal, scale_qk_gains, scale_qk_multipliers, scale_vo_multipliers, shift_key_bias,
+    trade_value_bias,
 )
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import commutant_basis, plane_index
@@ -143,6 +144,18 @@ def generator_images(
                     delta = torch.ones(pair.groups, s.d_k, dtype=CDT)
                     delta[j, pid == m] = 1 + 1j * EPS
                     out.append((s.name, _images(mc, lambda s=s, d=delta: scale_qk_gains(s, d), cand)))
+    elif sector in ("key_bias", "value_bias"):
+        action = shift_key_bias if sector == "key_bias" else trade_value_bias
+        for s in sites:
+            if sector not in s.bias_kinds:
+                continue
+            cand = s.parameter_names()
+            width = len(s.bias_sector(sector).channels)
+            for j in kv_groups(s):
+                for c in range(width):
+                    delta = torch.zeros(s.h_kv, width, dtype=CDT)
+                    delta[j, c] = 1j * EPS
+                    out.append((s.name, _images(mc, lambda s=s, d=delta, a=action: a(s, d), cand)))
     elif sector == "lrm_internal":
         for name, m in mc.named_modules():
             if not isinstance(m, LRMLinear) or not name.startswith(prefix):

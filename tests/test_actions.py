@@ -9,8 +9,10 @@ import gaugeopt
 import zoo
 from gaugeopt import GaugeError
 from gaugeopt.structure.actions import (
+    BIAS_INVALID_KINDS,
     INVALID_KINDS,
     QK_NORM_INVALID_KINDS,
+    applicable_invalid_kinds,
     act_qk,
     permute_heads,
     scale_qk_multipliers,
@@ -29,16 +31,17 @@ def _attention_change(case, moved) -> float:
     return max(gaugeopt.relative_change(x[2], y[2]) for x, y in zip(a, b))
 
 
-def _kinds_for(lrm: bool):
+def _kinds_for(lrm: bool, model):
     kinds = ["qk", "vo", "perm"]
-    return kinds + ["lrm_qk", "lrm_vo", "lrm_internal"] if lrm else kinds
+    bias = sorted({k for s in gaugeopt.find_attention(model) for k in s.bias_kinds})  # the bias sectors it has
+    return kinds + bias + (["lrm_qk", "lrm_vo", "lrm_internal"] if lrm else [])
 
 
 @pytest.mark.parametrize("name, lrm", zoo.CASES, ids=zoo.CASE_IDS)
 def test_each_valid_action_preserves_function(name, lrm):
     case = zoo.build(name, lrm=lrm)
     ref = case.logits()
-    for kind in _kinds_for(lrm):
+    for kind in _kinds_for(lrm, case.model):
         moved = gaugeopt.random_gauge_transform(case.copy(), (kind,), generator=torch.Generator().manual_seed(7))
         changed = [n for (n, p), (_, q) in zip(case.model.named_parameters(), moved.named_parameters()) if not torch.equal(p, q)]
         assert changed, f"{kind} changed no parameter"  # the action really acted
@@ -65,8 +68,8 @@ def test_invalid_controls_change_function(name, lrm):
             continue
         if kind == "cross_head" and sites[0].h_kv < 2:
             continue
-        if kind in QK_NORM_INVALID_KINDS:  # controls of QK-norm models: tests/test_qk_norm.py
-            with pytest.raises(GaugeError, match="needs"):
+        if kind in QK_NORM_INVALID_KINDS or (kind in BIAS_INVALID_KINDS and kind not in applicable_invalid_kinds(sites)):
+            with pytest.raises(GaugeError, match="needs"):  # QK-norm controls: tests/test_qk_norm.py
                 gaugeopt.invalid_gauge_transform(case.copy(), kind)
             continue
         moved = gaugeopt.invalid_gauge_transform(case.copy(), kind, generator=torch.Generator().manual_seed(5))
@@ -75,6 +78,10 @@ def test_invalid_controls_change_function(name, lrm):
     assert {"asymmetric_qk", "wrong_inverse", "vo_mismatch"} <= set(tried)
     if sites[0].rope.active:
         assert "gl_under_rope" in tried
+    if sites[0].v.bias is not None:
+        assert "value_bias_alone" in tried
+    if sites[0].rope.active and sites[0].k.bias is not None:
+        assert "key_bias_rope" in tried
 
 
 def test_rope_commutant_check_refuses_general_matrix():

@@ -71,6 +71,37 @@ def test_fixed_residual_gives_one_representative_per_orbit(cases, cid, section):
         assert state_diff(ref, canonicalize(moved, section).model) <= 1e-10
 
 
+@pytest.mark.parametrize("cid", ["gpt", "gpt_rope_partial_split_half", "hf_gpt2", "hf_llama", "gpt+lrm"])
+def test_bias_sectors_folded(cases, cid):
+    """biases='fold': b_K = 0 on the non-rotary channels, b_V = 0 with W_O·b_V moved into b_O (read
+    from the stored tensors here), the count of zeroed entries, the same function; 'keep' leaves
+    the biases; copies moved by the bias sectors canonicalise to the same parameters only when folded."""
+    case = cases[cid]
+    report = canonicalize(case.model, "qr")
+    canon = report.model
+    assert gaugeopt.relative_change(case.logits(), case.logits(canon)) <= 1e-12
+    expect = 0
+    for site in gaugeopt.find_attention(canon):
+        _, bk = effective(site, "k")
+        _, bv = effective(site, "v")
+        r = site.rope.rotary_dim
+        if bk is not None and r < site.d_k:
+            assert bool((bk[:, r:] == 0).all()) and bool((bk[:, :r] != 0).all())  # rotary channels keep theirs
+            expect += site.h_kv * (site.d_k - r)
+        if bv is not None and site.o.bias is not None:
+            assert bool((bv == 0).all())
+            expect += site.h_kv * site.d_v
+    assert expect > 0 and report.bias_zeroed == expect and report.biases == "fold"
+    assert section_residual(canon, "qr") <= 1e-10
+    kept = canonicalize(case.model, "qr", biases="keep")
+    assert kept.bias_zeroed == 0 and section_residual(kept.model, "qr", biases="keep") <= 1e-10
+    assert section_residual(kept.model, "qr") > 1e-2  # the fold's equations do not hold there
+    moved = gaugeopt.random_gauge_transform(case.copy(), ("key_bias", "value_bias") if "llama" not in cid else ("value_bias",),
+                                            torch.Generator().manual_seed(4))
+    assert state_diff(canon, canonicalize(moved, "qr").model) <= 1e-10
+    assert state_diff(kept.model, canonicalize(moved, "qr", biases="keep").model) > 1e-2
+
+
 def _group_rows(site, j):
     """``[W_Q[i] | b_Q[i] for i in group j, W_K[j] | b_K[j]]`` and ``[W_V[j] | b_V[j], W_O[:, i]ᵀ …]``."""
     aug = lambda w, b: w if b is None else torch.cat([w, b[:, None]], 1)  # noqa: E731

@@ -63,7 +63,7 @@ def test_user_adapter_is_refused_until_certified_then_used_exactly(register):
         assert CERTIFY_HINT in str(err.value) and what in str(err.value)
 
     report = gaugeopt.certify(model, x)
-    assert [sorted(layer.sectors) for layer in report.layers] == [["lrm_internal", "lrm_qk", "lrm_vo", "perm", "qk", "vo"]] * 2
+    assert [sorted(layer.sectors) for layer in report.layers] == [["key_bias", "lrm_internal", "lrm_qk", "lrm_vo", "perm", "qk", "value_bias", "vo"]] * 2  # MyAttention: biases, partial RoPE
     assert report.worst_valid <= 1e-10 and report.weakest_control >= 1e-3
     assert all(is_certified(s) for s in gaugeopt.find_attention(model))
     assert "transformer" not in str(report) and "blocks.1.attn" in str(report)

@@ -72,6 +72,42 @@ def test_count_prints_both_conventions(ckpts, capsys):
         assert ("RoPE split_half r=8" in out) == (target.parent.name == "a" or target.name == "a")
 
 
+def test_count_prints_the_complete_count(ckpts, capsys, tmp_path):
+    rc, out, err = run(capsys, "count", ckpts["root"] / "hf")
+    assert rc == 0 and err == "" and "complete" in out.splitlines()[1]
+    complete = gaugeopt.gauge_dimension(ckpts["hf_case"].model, "complete", per_symmetry=True)
+    rows = _rows(out)
+    for sym, n in complete.items():
+        assert rows[sym][-1] == f"{n:,}"
+    assert rows["key_bias"][:2] == ["-", "-"] and rows["total"][-1] == f"{sum(complete.values()):,}"
+    cfg = tmp_path / "g.json"  # a config complete cannot count: the papers' columns, and why not
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_head": 4, "n_embd": 32}))
+    rc, out, err = run(capsys, "count", cfg)
+    assert rc == 0 and "complete: not available (" in out and "needs vocab_size and n_positions" in out
+    assert "complete" not in out.splitlines()[1]
+
+
+def test_flat_measures_a_config_and_a_checkpoint(capsys, tmp_path):
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 7, "n_positions": 4, "n_layer": 1, "n_head": 2,
+                               "n_embd": 4, "n_inner": 8}))
+    rc, out, err = run(capsys, "flat", cfg, "--quiet")
+    print(out)
+    assert rc == 0 and err == ""
+    assert "random generic weights from the config, seed 0" in out
+    assert "unexplained remainder of the null space: 0" in out and "(equal)" in out
+    assert "complete count (gaugeopt count): 78" in out and "nullity 78" in out
+    model, _ = __import__("flat_helpers").build("gpt_nobias")
+    save_checkpoint(model, tmp_path / "ck")
+    rc, out, err = run(capsys, "flat", tmp_path / "ck", "--seq-len", "4")
+    assert rc == 0 and "the checkpoint's weights" in out and "nullity 117" in out and "(equal)" in out
+    assert "flat_directions: Jacobian" not in err  # small models print no progress
+    rc, out, err = run(capsys, "flat", tmp_path / "ck", "--max-params", "100")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "max_params=100" in err and "gaugeopt count" in err
+    rc, out, err = run(capsys, "flat", tmp_path / "ck", "--dtype", "float32")
+    assert rc == 2 and "float64" in err
+
+
 def test_verify_prints_paper_tables(ckpts, capsys):
     rc, out, err = run(capsys, "verify", ckpts["root"] / "a", "--trials", "3")
     assert rc == 0 and err == ""
@@ -111,6 +147,24 @@ def test_canonicalize_writes_an_exact_canonical_checkpoint(ckpts, capsys, tmp_pa
     rows = _rows(out)  # the LRM run: value orthonormality went from O(1) to rounding
     before, after = float(rows["||W_V"][-4]), float(rows["||W_V"][-1])
     assert before > 0.1 and after < 1e-12
+
+
+def test_canonicalize_folds_the_bias_sectors_unless_kept(ckpts, capsys, tmp_path):
+    """GPT-2's key and value biases: folded by default, the number of zeroed entries printed; --biases keep leaves them."""
+    root, site = ckpts["root"], gaugeopt.find_attention(ckpts["hf_case"].model)[0]
+    n_layers = len(gaugeopt.find_attention(ckpts["hf_case"].model))
+    expect = n_layers * (site.h_kv * site.d_k + site.h_kv * site.d_v)
+    rc, out, err = run(capsys, "canonicalize", root / "hf", "-o", tmp_path / "fold")
+    assert rc == 0 and f"bias sectors: {expect:,} bias entries are now zero" in out and "biases fold" in out
+    folded = load_checkpoint(tmp_path / "fold").model
+    for s in gaugeopt.find_attention(folded):
+        assert bool((s.k.bias.get() == 0).all()) and bool((s.v.bias.get() == 0).all())
+    rc, out, err = run(capsys, "canonicalize", root / "hf", "-o", tmp_path / "keep", "--biases", "keep")
+    assert rc == 0 and "bias sectors" not in out and "biases keep" in out
+    kept = load_checkpoint(tmp_path / "keep").model
+    assert all(bool((s.k.bias.get() != 0).all()) for s in gaugeopt.find_attention(kept))
+    x = torch.randint(0, zoo.VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert gaugeopt.relative_change(forward_logits(kept, x), forward_logits(folded, x)) <= 1e-12
 
 
 def test_equivalent_exit_codes_and_table(ckpts, capsys):

@@ -96,11 +96,15 @@ def test_vertical_report_is_consistent():
     model = case.model
     site = gaugeopt.find_attention(model)[0]
     u = H.random_field(model, seed=2)
-    rep = vertical_report(model, u)
-    dec = GaugeProjector(model).decompose(u)
+    heads = ("qk", "vo")  # disjoint supports (the bias sectors overlap them: tested apart below)
+    rep = vertical_report(model, u, sectors=heads)
+    dec = GaugeProjector(model, sectors=heads).decompose(u)
     assert rep.total == pytest.approx(H.norm(dec.vertical) / H.norm(u), rel=1e-12)
     assert rep.total**2 + rep.horizontal**2 == pytest.approx(1.0, rel=1e-12)
-    assert rep.sectors["qk"] ** 2 + rep.sectors["vo"] ** 2 == pytest.approx(rep.total**2, rel=1e-10)  # disjoint supports
+    assert rep.sectors["qk"] ** 2 + rep.sectors["vo"] ** 2 == pytest.approx(rep.total**2, rel=1e-10)
+    full = vertical_report(model, u)  # with the bias sectors: more vertical part, still an exact projection
+    assert set(full.sectors) == {"qk", "vo", "key_bias", "value_bias"} and full.total > rep.total
+    assert full.total**2 + full.horizontal**2 == pytest.approx(1.0, rel=1e-12) and full.defect <= 1e-13
     assert rep.defect <= 1e-13
     names = site.parameter_names()
     assert rep.layers[site.name] == pytest.approx(
@@ -111,14 +115,14 @@ def test_vertical_report_is_consistent():
     for ref in (site.q.weight, site.q.bias, site.k.weight, site.k.bias):
         view = ref.view(w[ref.name])
         view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(3), dtype=view.dtype))
-    r2 = vertical_report(model, w)
+    r2 = vertical_report(model, w, sectors=heads)
     assert r2.units[("qk", site.name)] == pytest.approx(r2.sectors["qk"], rel=1e-12)
     assert r2.sectors["vo"] == 0.0 and r2.units[("qk", gaugeopt.find_attention(model)[1].name)] == 0.0
     # paper000 mode: what Algorithm 2 leaves behind is the defect
-    ra = vertical_report(model, u, mode="paper000")
+    ra = vertical_report(model, u, mode="paper000", sectors=heads)
     assert ra.defect > 1e-2 and abs(ra.total - rep.total) > 1e-3
     # approx mode (truncated CG): it leaves less than it found, and less than Algorithm 2
-    rc = vertical_report(model, u, mode="approx")
+    rc = vertical_report(model, u, mode="approx", sectors=heads)
     assert rc.defect < 1e-2 * rep.total and rc.defect < ra.defect
     with pytest.raises(GaugeError, match="zero"):
         vertical_report(model, {n: torch.zeros_like(t) for n, t in u.items()})
@@ -157,7 +161,9 @@ def test_fisher_rao_split_with_an_spd_metric_matches_weighted_least_squares():
     M = Q @ torch.diag(torch.exp(torch.randn(D, generator=g, dtype=torch.float64))) @ Q.mT
     u = H.random_field(model, seed=6)
     fr = fisher_rao_split(model, u, lambda v: M @ v)
-    A = np.stack([H.flatten(model, img, names, shapes) for s in ("qk", "vo") for _, img in H.generator_images(model, s)], 1)
+    sectors = GaugeProjector(model).sectors  # the head gauges and the value-bias trade
+    assert "value_bias" in sectors
+    A = np.stack([H.flatten(model, img, names, shapes) for s in sectors for _, img in H.generator_images(model, s)], 1)
     L = np.linalg.cholesky(M.numpy())
     uf = H.flatten(model, u, names, shapes)
     c = np.linalg.lstsq(L.T @ A, L.T @ uf, rcond=None)[0]

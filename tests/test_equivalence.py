@@ -69,7 +69,9 @@ def test_invalid_gauge_controls_are_not_equivalent(kind):
     case = zoo.build("gpt_rope_partial_split_half", 2)
     moved = gaugeopt.invalid_gauge_transform(case.copy(), kind, torch.Generator().manual_seed(0))
     report = compare(case.model, moved, 1e-6)
-    assert not report.equivalent and "circuits agree" in report.reason
+    # V/O controls move W_O·b_V, which the output bias with the value bias folded in sees first
+    caught_by = "attn.c_proj.bias differs" if kind in ("vo_mismatch", "value_bias_alone") else "circuits agree"
+    assert not report.equivalent and caught_by in report.reason
 
 
 def test_distances_equal_dense_circuit_distances(cases):
@@ -125,15 +127,23 @@ def test_lrm_and_plain_model_compare_by_effective_weights():
     assert equivalent(case.model, lrm, TOL)
 
 
-def test_documented_limit_key_bias_shift_is_not_quotiented():
-    """Without RoPE, adding δ to b_K shifts all scores of a query equally: same function, but
-    outside G — compare() reports it as not equivalent (a documented false negative)."""
-    case = zoo.build("gpt", 7)
-    moved = case.copy()
-    with torch.no_grad():
-        gaugeopt.find_attention(moved)[0].k.bias.get()[0].add_(0.3)
-    assert gaugeopt.relative_change(case.logits(), case.logits(moved)) <= 1e-12
-    assert not equivalent(case.model, moved, TOL)
+def test_bias_sectors_are_quotiented():
+    """A key-bias shift (non-rotary channels) and a value-bias trade leave the function and the
+    verdict alone; the same shift on RoPE-rotated channels, or a value bias moved without its
+    output-bias compensation, changes both."""
+    for name in ("gpt", "gpt_rope_partial_split_half", "hf_gpt2"):
+        case = zoo.build(name, 7)
+        for kinds in (("key_bias",), ("value_bias",), ("key_bias", "value_bias", "qk", "vo", "perm")):
+            moved = gaugeopt.random_gauge_transform(case.copy(), kinds, torch.Generator().manual_seed(1))
+            assert gaugeopt.relative_change(case.logits(), case.logits(moved)) <= 1e-12
+            report = compare(case.model, moved, TOL)
+            assert report.equivalent, (name, kinds, report.reason)
+            assert spectral_fingerprint(moved).digest() == spectral_fingerprint(case.model).digest()
+    case = zoo.build("gpt_rope_partial_split_half", 7)
+    for kind in ("key_bias_rope", "value_bias_alone"):
+        moved = gaugeopt.invalid_gauge_transform(case.copy(), kind, torch.Generator().manual_seed(1))
+        assert gaugeopt.relative_change(case.logits(), case.logits(moved)) > 1e-3
+        assert not equivalent(case.model, moved, 1e-6), kind
 
 
 def test_fingerprint_is_invariant_and_informative(cases):

@@ -120,7 +120,7 @@ def test_user_attention_is_certified_on_the_first_batch(register):
     trainer(max_steps=10, callbacks=[fix, monitor]).fit(lit, token_loader(10))
     assert fix.certificate is not None and monitor.certificate is None  # the second callback reuses the stamp
     assert [sorted(layer.sectors) for layer in fix.certificate.layers] == [
-        ["lrm_internal", "lrm_qk", "lrm_vo", "perm", "qk", "vo"]] * 2
+        ["key_bias", "lrm_internal", "lrm_qk", "lrm_vo", "perm", "qk", "value_bias", "vo"]] * 2
     assert fix.certificate.worst_valid <= 1e-10 and fix.certificate.weakest_control >= 1e-3
     assert fix.fixes == 2 and gaugeopt.qk_drift(lit.model) <= 1e-6
 

@@ -108,10 +108,12 @@ def test_joint_projection_matches_stacked_least_squares(rope, n_kv):
     the alternating projection equals least squares against all generators stacked."""
     model = _tiny_lrm(rope, n_kv)
     proj = GaugeProjector(model, joint_tol=1e-14)
-    assert proj.sectors == PLAIN_SECTORS
+    # the bias sectors too (three overlapping families); full RoPE leaves no key-bias sector
+    expected = tuple(s for s in PLAIN_SECTORS if not (s == "key_bias" and rope != "none"))
+    assert proj.sectors == expected
     cols, names = [], [n for n, _ in model.named_parameters()]
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    for sector in PLAIN_SECTORS:
+    for sector in expected:
         for _, img in H.generator_images(model, sector):
             cols.append(H.flatten(model, img, names, shapes))
     A = np.stack(cols, 1)
@@ -125,7 +127,7 @@ def test_joint_projection_matches_stacked_least_squares(rope, n_kv):
     assert np.linalg.norm(mine - ref) <= 1e-9 * np.linalg.norm(ref)
     # projecting the sectors one after the other (no alternation) is NOT the joint projection
     seq = dict(u)
-    for s in PLAIN_SECTORS:
+    for s in expected:
         seq = proj.project(seq, sectors=(s,))
     seq_vert = uf - H.flatten(model, seq, names, shapes)
     assert np.linalg.norm(seq_vert - ref) > 1e-6 * np.linalg.norm(ref)
@@ -275,10 +277,16 @@ def test_zero_layer_gives_zero_vertical_part():
     with torch.no_grad():
         for _, ref in s.refs():
             ref.get().zero_()
-    dec = GaugeProjector(model).decompose(H.random_field(model))
+    u = H.random_field(model)
+    dec = GaugeProjector(model, sectors=("qk", "vo")).decompose(u)
     for n in s.parameter_names():
         if n in dec.vertical:
             assert not bool(dec.vertical[n].any())
+    # the bias sectors' generators do not vanish with the weights: b_K and b_V are coordinate directions there
+    dec = GaugeProjector(model, sectors=("key_bias", "value_bias")).decompose(u)
+    for ref in (s.k.bias, s.v.bias):
+        assert torch.equal(ref.view(dec.vertical[ref.name]), ref.view(u[ref.name]))
+    assert not bool(s.o.bias.view(dec.vertical[s.o.bias.name]).any())
 
 
 def test_exact_mode_is_one_batched_eigh_per_sector(monkeypatch):

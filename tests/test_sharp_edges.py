@@ -122,8 +122,9 @@ def test_fisher_rao_split_refuses_the_degenerate_true_fisher():
 
 def test_equal_spectral_digests_do_not_mean_the_same_function():
     """The digest is a necessary condition only: an orthogonal map on the O side of one head keeps
-    its circuit's singular values and changes the function; compare() gives the verdict."""
-    case = zoo.build("gpt")
+    its circuit's singular values and changes the function; compare() gives the verdict. (Without
+    biases: with a value bias the folded output bias b_O + W_O b_V would see the map.)"""
+    case = zoo.build("gpt_nobias")
     moved = case.copy()
     site = gaugeopt.find_attention(moved)[0]
     q, _ = torch.linalg.qr(torch.randn(site.d_model, site.d_model, generator=torch.Generator().manual_seed(2),

@@ -22,7 +22,13 @@ sector            generators (per KV group / channel / block)      solver
 ``lrm_internal``  ``r·W̄·c`` rescalings of every LRM layer           CG on the Schur complement
 ``qk_gain``       QK-norm gains ``g_q`` vs ``g_k`` per RoPE plane      closed form
                   (or channel), per layer or KV group
+``key_bias``      ``b̄_K`` on the non-rotary channels                   closed form (coordinates)
+``value_bias``    ``b̄_V`` traded against ``b̄_O`` through ``W_O``       Cholesky, ``h_kv·d_v`` per layer
 ================  ==============================================  ==============================
+
+The bias sectors (:mod:`gaugeopt.structure.bias`, :mod:`gaugeopt.projection.bias`) are present where
+the biases are: ``key_bias`` needs a key bias on channels RoPE does not rotate (none under full
+RoPE or a QK-norm), ``value_bias`` value and output biases.
 
 **QK-norm sites** (``site.qk_norm``) have no ``qk`` and no ``lrm_qk`` sector — neither is a
 symmetry once queries and keys are normalised — and a ``qk_gain`` sector instead
@@ -38,13 +44,23 @@ preconditioned CG to the relative residual ``cg_tol``; everything else is direct
 
 **Joint projection.** ``qk``, ``vo``, ``lrm_qk``, ``lrm_vo`` and ``qk_gain`` touch disjoint parameter
 entries, so their spans are mutually orthogonal and projecting them one after the other is
-exactly the projection onto their sum. ``lrm_internal`` overlaps all of them (it moves ``W̄``
-and the multipliers). Projecting off the sum of the requested sectors then solves for the two
-families' parts together: conjugate gradients on ``P1(I − P2)P1`` (see :meth:`GaugeProjector._joint`),
-stopped when the part of the result still in the first family's span is ``≤ joint_tol·‖u‖``
-(it is exactly orthogonal to the second): the result differs from ``u`` by a sum of generators
-and is orthogonal to all of them to that tolerance, which characterises the exact joint
-projection (``info["joint_residual"]``). The diagonal multiplier gauges are redundant there:
+exactly the projection onto their sum; so do ``key_bias`` and ``value_bias`` between them. The
+families overlap one another: the bias sectors share ``b̄_K`` with ``qk`` and ``b̄_V`` with ``vo``, and
+``lrm_internal`` overlaps all but ``qk_gain`` (it moves ``W̄``, ``b̄`` and the multipliers). The
+requested sectors are split into groups that share no entry (``{qk, key_bias}``, ``{vo,
+value_bias}``, or everything with ``lrm_internal``), each projected on its own; inside a group of
+several families the last one is eliminated exactly and the others' parts are solved for together
+by conjugate gradients on the normal equations ``P_i(I − P_k)Σ_j a_j = P_i(I − P_k)u`` — for two
+families ``P1(I − P2)P1`` (see :meth:`GaugeProjector._joint`) — stopped when the part of the result
+still in the other families' spans is ``≤ joint_tol·‖u‖`` (it is exactly orthogonal to the last):
+the result differs from ``u`` by a sum of generators and is orthogonal to all of them to that
+tolerance, which characterises the exact joint projection (``info["joint_residual"]``).
+``{qk, key_bias}`` has a closed form instead (the key bias is a coordinate subspace ``E``, and
+``(I − P_E)`` of the ``qk`` sector is the ``qk`` sector at ``b̄_K = 0`` there:
+:meth:`GaugeProjector._qk_with_key_bias`), used whenever no coefficients are asked for. The
+``{vo, value_bias}`` group takes 10–25 CG iterations of its two sectors in float64, so with biases
+``"auto"`` costs several times the head gauges alone; ``sectors=("qk", "vo")`` leaves the bias
+sectors out. The diagonal multiplier gauges are redundant there:
 ``lrm_qk`` generators are ``qk`` generators (diagonal ``X``) plus ``lrm_internal`` row rescalings
 of the Q and K blocks (likewise ``lrm_vo``), so with ``qk`` (``vo``) and ``lrm_internal`` requested
 they are left out of the joint solve — same span, better conditioned (``lrm_qk`` and
@@ -80,8 +96,8 @@ Example:
     >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, rope="split_half")).double()
     >>> u = {n: torch.randn_like(p) for n, p in model.named_parameters()}
     >>> proj = GaugeProjector(model)
-    >>> proj.sectors
-    ('qk', 'vo')
+    >>> proj.sectors  # full RoPE: no key-bias sector; the value bias trades with the output bias
+    ('qk', 'vo', 'value_bias')
     >>> hor = proj.project(u)
     >>> float(gaugeopt.vertical_fraction(model, hor)) < 1e-12
     True
@@ -101,6 +117,7 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.kernels import dispatch
 from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.projection.bias import BiasShiftSector
 from gaugeopt.projection.multipliers import DiagonalSector, InternalSector
 from gaugeopt.projection.dense import DenseSector
 from gaugeopt.structure.certified import require_certified
@@ -110,7 +127,7 @@ from gaugeopt.projection.sylvester import default_cg_tol, default_rtol
 
 __all__ = ["SECTORS", "MODES", "check_mode", "GaugeProjector", "Decomposition", "horizontal"]
 
-SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain")
+SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias")
 MODES = ("exact", "approx", "paper000")
 
 
@@ -121,8 +138,31 @@ def check_mode(mode: str, owner: str = "GaugeProjector") -> None:
         raise GaugeError(f"{owner}: mode={mode!r} is not one of {MODES}")
 
 
+# Families of mutually disjoint sectors (their projections add up); the families overlap one another.
+# The joint projection eliminates the last family present exactly and solves for the others by CG.
+_FAMILIES = (("qk", "vo", "lrm_qk", "lrm_vo", "qk_gain"), ("key_bias", "value_bias"), ("lrm_internal",))
 _OVERLAPPING = ("lrm_internal",)
 _REDUNDANT = {"lrm_qk": "qk", "lrm_vo": "vo"}  # with lrm_internal present, the key's span lies in the value's + internal
+
+# Which sectors share parameter entries (the rest touch disjoint entries: their spans are orthogonal).
+_SHARES = {frozenset(p) for p in (("qk", "key_bias"), ("vo", "value_bias"))} | {
+    frozenset(("lrm_internal", s)) for s in ("qk", "vo", "lrm_qk", "lrm_vo", "key_bias", "value_bias")}
+
+
+def _components(secs: Sequence[str]) -> list[list[list[str]]]:
+    """The requested sectors as connected components of the sharing relation, each split into the
+    :data:`_FAMILIES` it meets (in that order): one family — a direct projection; several — a joint one."""
+    comps: list[set[str]] = []
+    for s in secs:
+        joined = [c for c in comps if any(frozenset((s, t)) in _SHARES for t in c)]
+        merged = {s}.union(*joined)
+        comps = [c for c in comps if c not in joined] + [merged]
+    out = []
+    for c in comps:
+        fams = [[s for s in fam if s in c] for fam in _FAMILIES]
+        out.append([f for f in fams if f])
+    return out
+
 
 Tensors = Union[Mapping[str, torch.Tensor], Sequence[Union[torch.Tensor, None]]]
 
@@ -218,7 +258,8 @@ class GaugeProjector:
 
     Args:
         model: the model whose ``named_parameters()`` names the vector field's entries.
-        sectors: ``"auto"`` (every sector the model has) or a subset of :data:`SECTORS`.
+        sectors: ``"auto"`` (every sector the model has, the bias sectors included) or a subset of
+            :data:`SECTORS`.
         mode: ``"exact"``, ``"approx"`` or ``"paper000"`` (see the module docstring).
         sites: attention sites (default :func:`gaugeopt.find_attention`); with ``sites`` given,
             ``lrm_internal`` covers only the LRM layers those sites read.
@@ -277,6 +318,8 @@ class GaugeProjector:
             "lrm_vo": DiagonalSector("lrm_vo", self.sites),
             "lrm_internal": InternalSector(lrm_modules, pname),
             "qk_gain": DiagonalSector("qk_gain", self.sites),
+            "key_bias": BiasShiftSector("key_bias", self.sites),
+            "value_bias": BiasShiftSector("value_bias", self.sites),
         }
         available = tuple(k for k in SECTORS if impl[k].units())
         if sectors == "auto":
@@ -291,7 +334,8 @@ class GaugeProjector:
                 raise GaugeError(
                     f"GaugeProjector: sectors {missing} are not present in this model (it has {available}); "
                     "the lrm_* sectors need learnable multipliers (gaugeopt.apply_lrm); a QK-norm layer has "
-                    "'qk_gain' instead of 'qk' and 'lrm_qk' (docs/qk_norm.md)"
+                    "'qk_gain' instead of 'qk' and 'lrm_qk' (docs/qk_norm.md); 'key_bias' needs a key bias on "
+                    "channels RoPE does not rotate, 'value_bias' value and output biases (gaugeopt.structure.bias)"
                 )
             chosen = tuple(dict.fromkeys(chosen))
         self.sectors: tuple[str, ...] = chosen
@@ -424,42 +468,84 @@ class GaugeProjector:
         names = self.param_names(secs)
         work = self._work(given, names, self._dtype_now)
         ctx = _Ctx(self, at)
-        fam1 = [s for s in secs if s not in _OVERLAPPING]
-        fam2 = [s for s in secs if s in _OVERLAPPING]
-        joint = bool(fam1 and fam2)
-        if joint:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same joint span, better conditioned
-            fam1 = [s for s in fam1 if _REDUNDANT.get(s) not in fam1]
-            if ctx.mode == "approx":  # exact sector projections inside, the joint CG truncated
-                ctx.mode = "exact"
+        components = _components(secs)
+        joint = any(len(c) > 1 for c in components)
+        if joint and ctx.mode == "approx":  # exact sector projections inside, the joint CG truncated
+            ctx.mode = "exact"
         info = ctx.info
-        if not joint:
-            record = None
-            if unit_norms is not None:
-                def record(sector, unit, coef, vsq, usq):
-                    unit_norms[(sector, unit)] = (float(vsq), float(usq))
-            family = [(self._impl[s], self._impl[s].prepare(ctx)) for s in (fam1 or fam2)]
-            vert = self._vertical_family(ctx, family, work, record, coeffs)
-            info.update(joint_iterations=0, joint_residual=0.0)
-        else:
-            # lrm_internal units outside the first family's support (the MLP's LRM layers) are orthogonal
-            # to everything else: projected once, outside the joint CG, whose vectors then span attention only
-            first = [(self._impl[s], self._impl[s].prepare(ctx)) for s in fam1]
-            inner, outer = self._impl["lrm_internal"].split({n for s in fam1 for n in self._sector_names(s)})
-            second = [(inner, inner.prepare(ctx))] if inner.units() else []
-            joint_names = dict.fromkeys(n for sec, _ in first + second for n in _names_of(sec))
-            maxiter = self.approx_iters if self.mode == "approx" else self.joint_maxiter
-            if second:
-                vert, info_j = self._joint(ctx, first, second, {n: work[n] for n in joint_names}, coeffs, maxiter)
+        info.update(joint_iterations=0, joint_residual=0.0)
+        vert: dict[str, torch.Tensor] = {}
+        record = None
+        if unit_norms is not None:
+            def record(sector, unit, coef, vsq, usq):
+                unit_norms[(sector, unit)] = (float(vsq), float(usq))
+        for families in components:  # mutually orthogonal: their projections add up
+            if len(families) == 1:
+                family = [(self._impl[s], self._impl[s].prepare(ctx)) for s in families[0]]
+                part = self._vertical_family(ctx, family, work, None if joint else record, coeffs)
+            elif families == [["qk"], ["key_bias"]] and coeffs is None:
+                part = self._qk_with_key_bias(ctx, work)
             else:
-                vert, info_j = self._vertical_family(ctx, first, work, coeffs=coeffs), {"joint_iterations": 0, "joint_residual": 0.0}
-            if outer.units():
-                vert.update(self._vertical_family(ctx, [(outer, outer.prepare(ctx))], work, coeffs=coeffs))
-            info.update(info_j)
+                part = self._joint_component(ctx, families, work, coeffs, info)
+            for n, v in part.items():
+                vert[n] = vert[n] + v if n in vert else v
         if hasattr(ctx, "_left_sq"):  # approx: ‖error‖ estimate over ‖u‖ (tensors, read lazily)
             usq = sum(torch.linalg.vector_norm(work[n]).double().square() for n in names)
             info["approx_left_estimate"] = torch.where(usq > 0, (ctx._left_sq.double() / usq).sqrt(), usq)
         self.last_info = dict(info)
         return work, vert, dict(info)
+
+    def _qk_with_key_bias(self, ctx, work) -> dict[str, torch.Tensor]:
+        """The projection onto ``span(qk) + E`` in closed form, ``E`` the key-bias coordinates (non-rotary
+        channels of ``b̄_K``): ``P = P_E + P_{(I−P_E)V_qk}(I − P_E)``. A ``qk`` generator's component
+        in ``E`` is ``−X̃ b̄_K`` on those channels, and ``X̃`` (in the RoPE commutant, twisted by a
+        diagonal) never mixes rotary and non-rotary channels, so ``(I − P_E)V_qk`` is the ``qk`` sector
+        at θ with ``b̄_K = 0`` there — one ``qk`` projection at that point instead of a joint CG.
+        (Used when no coefficients are asked for; :meth:`decompose` takes the joint CG, whose
+        coefficients are the ones at θ.)"""
+        kb, qk = self._impl["key_bias"], self._impl["qk"]
+        at = dict(ctx.at or {})
+        u = dict(work)
+        for b in kb.secs:
+            name, idx = b.bias.name, list(b.channels)
+            if name not in u or u[name] is work[name]:
+                u[name] = work[name].clone()
+                at[name] = ctx.weight(name).clone()
+            b.bias.view(at[name])[:, idx] = 0
+            b.bias.view(u[name])[:, idx] = 0
+        shifted = _Ctx(self, at)
+        shifted.mode = ctx.mode
+        vert = self._vertical_family(shifted, [(qk, qk.prepare(shifted))], u)
+        for key in ("cg_iterations", "cg_residual"):
+            ctx.info[key] = max(ctx.info[key], shifted.info[key])
+        for n, v in self._vertical_family(ctx, [(kb, kb.prepare(ctx))], work).items():
+            vert[n] = vert[n] + v if n in vert else v
+        return vert
+
+    def _joint_component(self, ctx, families: list[list[str]], work, coeffs, info) -> dict[str, torch.Tensor]:
+        """The vertical part of ``work`` in one component of overlapping families (:func:`_components`)."""
+        if "lrm_internal" in families[-1]:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same
+            families = [[s for s in fam if _REDUNDANT.get(s) not in fam] for fam in families]  # span, better conditioned
+        prepared = [[(self._impl[s], self._impl[s].prepare(ctx)) for s in fam if s != "lrm_internal"] for fam in families]
+        outer = None
+        if "lrm_internal" in families[-1]:
+            # lrm_internal units outside the other families' support (the MLP's LRM layers) are orthogonal
+            # to everything else: projected once, outside the joint CG, whose vectors then span attention only
+            others = {n for fam in families[:-1] for s in fam for n in self._sector_names(s)}
+            inner, outer = self._impl["lrm_internal"].split(others)
+            prepared[-1] = [(inner, inner.prepare(ctx))] if inner.units() else []
+        prepared = [fam for fam in prepared if fam]
+        names = dict.fromkeys(n for fam in prepared for sec, _ in fam for n in _names_of(sec))
+        maxiter = self.approx_iters if self.mode == "approx" else self.joint_maxiter
+        if len(prepared) > 1:
+            vert, info_j = self._joint(ctx, prepared, {n: work[n] for n in names}, coeffs, maxiter)
+            info["joint_iterations"] = max(info["joint_iterations"], info_j["joint_iterations"])
+            info["joint_residual"] = max(info["joint_residual"], info_j["joint_residual"])
+        else:
+            vert = self._vertical_family(ctx, prepared[0], work, coeffs=coeffs)
+        if outer is not None and outer.units():
+            vert.update(self._vertical_family(ctx, [(outer, outer.prepare(ctx))], work, coeffs=coeffs))
+        return vert
 
     def decompose(
         self,
@@ -487,17 +573,21 @@ class GaugeProjector:
         hor = {n: work[n] - vert[n] for n in vert}
         return Decomposition(vert, hor, coeffs, unit_norms, info)
 
-    def _joint(self, ctx, fam1, fam2, u, coeffs, maxiter):
-        """Projection onto ``V1 + V2`` for two overlapping families with exact projectors ``P1, P2``.
+    def _joint(self, ctx, families, u, coeffs, maxiter):
+        """Projection onto ``V_1 + … + V_k`` for overlapping families with exact projectors ``P_i``.
 
-        Writing the vertical part as ``a1 + a2`` (``a1 ∈ V1``, ``a2 = P2(u − a1)``), ``a1`` solves
-        ``S a1 = P1(I − P2) u`` with ``S = P1(I − P2)P1``, symmetric PSD on ``V1`` (eigenvalues
-        ``sin²`` of the principal angles; the intersection is its consistent null space):
-        conjugate gradients, restarted on the true residual ``P1(u − a1 − a2)``, which is also the
-        certificate — the result is exactly orthogonal to ``V2`` and to ``V1`` up to it.
+        Writing the vertical part as ``a_1 + … + a_k`` (``a_i ∈ V_i``), the last family is eliminated
+        exactly, ``a_k = P_k(u − s)`` with ``s = a_1 + … + a_{k−1}``, and ``x = (a_1, …, a_{k−1})``
+        solves the normal equations of ``min ‖(I − P_k)(u − s)‖²``:
+        ``P_i (I − P_k) s = P_i (I − P_k) u`` for ``i < k`` — symmetric positive semi-definite on
+        ``V_1 × … × V_{k−1}`` (for ``k = 2``: ``S = P_1(I − P_2)P_1``, eigenvalues ``sin²`` of the
+        principal angles; intersections are its consistent null space). Conjugate gradients, restarted
+        on the true residual ``r_i = P_i(u − s − a_k)``, which is also the certificate: the result is
+        exactly orthogonal to ``V_k`` and to each ``V_i`` up to ``‖r_i‖``.
         """
         tol = default_rtol(self._dtype_now) if self.joint_tol is None else self.joint_tol
         names = list(u)
+        *firsts, last = families
         if len({t.device for t in u.values()}) == 1:
             # one flat buffer: the CG vector operations are single in-place kernels, the sectors see views
             sizes, shapes = [u[n].numel() for n in names], [u[n].shape for n in names]
@@ -506,12 +596,13 @@ class GaugeProjector:
                 return {n: t.view(shape) for n, t, shape in zip(names, flat.split(sizes), shapes)}
 
             U = torch.cat([u[n].reshape(-1) for n in names])
-            bufs: dict[int, torch.Tensor] = {}
 
-            def P(fam, x, c=None, keep=False):
-                """The family's vertical part of ``x``, into a reused buffer (a new one with ``keep``)."""
-                out = torch.zeros_like(U) if keep else bufs.setdefault(id(fam), torch.empty_like(U)).zero_()
-                self._vertical_family(ctx, fam, views(x), coeffs=c, out=views(out))
+            def new():
+                return torch.zeros_like(U)
+
+            def P(fam, x, out, c=None):
+                """``out ← `` the family's vertical part of ``x``."""
+                self._vertical_family(ctx, fam, views(x), coeffs=c, out=views(out.zero_()))
                 return out
 
             def axpy_(a, x, y):  # y += a·x
@@ -520,20 +611,22 @@ class GaugeProjector:
             def xpby_(x, b, y):  # y = x + b·y
                 return y.mul_(b).add_(x)
 
+            def copy_(dst, src):
+                return dst.copy_(src)
+
+            def zero_(x):
+                return x.zero_()
+
             def dot(x, y):
                 return float(torch.dot(x, y))
 
-            def copy(x):
-                return x.clone()
-
-            zero = lambda: torch.zeros_like(U)  # noqa: E731
             u_vec, unflat = U, views
         else:  # parameters on several devices: the same algorithm on dicts of tensors
-            zero = lambda: {n: torch.zeros_like(u[n]) for n in names}  # noqa: E731
+            def new():
+                return {n: torch.zeros_like(u[n]) for n in names}
 
-            def P(fam, x, c=None, keep=False):
-                out = zero()
-                self._vertical_family(ctx, fam, x, coeffs=c, out=out)
+            def P(fam, x, out, c=None):
+                self._vertical_family(ctx, fam, x, coeffs=c, out=zero_(out))
                 return out
 
             def axpy_(a, x, y):
@@ -546,65 +639,97 @@ class GaugeProjector:
                     y[n].mul_(b).add_(x[n])
                 return y
 
+            def copy_(dst, src):
+                for n in names:
+                    dst[n].copy_(src[n])
+                return dst
+
+            def zero_(x):
+                for t in x.values():
+                    t.zero_()
+                return x
+
             def dot(x, y):
                 return sum(float((x[n] * y[n]).sum()) for n in names)
 
-            def copy(x):
-                return {n: x[n].clone() for n in names}
-
-            u_vec, unflat = u, lambda d: d
+            u_vec, unflat = {n: u[n] for n in names}, lambda d: d
         u = u_vec
+        k = len(firsts)
+        w, tmp = new(), new()  # work buffers
+        a, r, p, Sp, delta = ([new() for _ in range(k)] for _ in range(5))
+
+        def reduced(xs, out):  # out_i ← P_i (I − P_k) Σ_j x_j   (w, tmp used)
+            copy_(w, xs[0])
+            for x in xs[1:]:
+                axpy_(1.0, x, w)
+            axpy_(-1.0, P(last, w, tmp), w)
+            for fam, o in zip(firsts, out):
+                P(fam, w, o)
+
+        def bdot(xs, ys):
+            return sum(dot(x, y) for x, y in zip(xs, ys))
 
         unorm = math.sqrt(dot(u, u)) or 1.0
-        a1 = zero()
         iters = 0
         while True:
-            w = axpy_(-1.0, a1, copy(u))  # u − a1
-            w = axpy_(-1.0, P(fam2, w), w)  # (I − P2)(u − a1)
-            r = P(fam1, w, keep=True)  # true residual of the reduced system = the part of w still in V1
-            res = math.sqrt(dot(r, r)) / unorm
+            copy_(w, u)  # r_i ← P_i (I − P_k)(u − s): the true residual of the reduced system, per family
+            for x in a:
+                axpy_(-1.0, x, w)
+            axpy_(-1.0, P(last, w, tmp), w)
+            for fam, o in zip(firsts, r):
+                P(fam, w, o)
+            res = math.sqrt(bdot(r, r)) / unorm
             if res <= tol or iters >= maxiter:
                 break
-            p, rr, delta = copy(r), dot(r, r), zero()
+            rr = bdot(r, r)
+            for p_, r_, d_ in zip(p, r, delta):
+                copy_(p_, r_)
+                zero_(d_)
             while iters < maxiter:
-                q = axpy_(-1.0, P(fam2, p), copy(p))  # (I − P2) p
-                Sp = P(fam1, q)
-                pSp = dot(p, Sp)
+                reduced(p, Sp)
+                pSp = bdot(p, Sp)
                 if pSp <= 0:
                     break
                 alpha = rr / pSp
-                axpy_(alpha, p, delta)
-                axpy_(-alpha, Sp, r)
+                for d_, p_, r_, s_ in zip(delta, p, r, Sp):
+                    axpy_(alpha, p_, d_)
+                    axpy_(-alpha, s_, r_)
                 iters += 1
-                rr_new = dot(r, r)
+                rr_new = bdot(r, r)
                 if math.sqrt(rr_new) / unorm <= 0.1 * tol:
                     break
-                xpby_(r, rr_new / rr, p)
+                for p_, r_ in zip(p, r):
+                    xpby_(r_, rr_new / rr, p_)
                 rr = rr_new
-            axpy_(1.0, delta, a1)
+            for a_, d_ in zip(a, delta):
+                axpy_(1.0, d_, a_)
         if res > tol and self.mode != "approx":
             self._warn_once(
                 f"gauge projection (joint): conjugate gradients stopped after {iters} iterations with {res:.2e} of "
                 f"‖u‖ still vertical (joint_tol={tol:.1e}); the sector families are nearly parallel here, raise joint_maxiter"
             )
-        a1 = P(fam1, a1, coeffs, keep=True)  # coefficients of both parts, in Lie-algebra coordinates
-        a2 = P(fam2, axpy_(-1.0, a1, copy(u)), coeffs, keep=True)
-        vert = unflat(axpy_(1.0, a2, a1))
-        return vert, {"joint_iterations": iters, "joint_residual": res}
+        vert = new()
+        for fam, x in zip(firsts, a):  # coefficients in Lie-algebra coordinates; x ∈ V_i up to rounding
+            axpy_(1.0, P(fam, x, tmp, coeffs), vert)
+        copy_(w, u)
+        axpy_(-1.0, vert, w)
+        axpy_(1.0, P(last, w, tmp, coeffs), vert)
+        return unflat(vert), {"joint_iterations": iters, "joint_residual": res}
 
     # ------------------------------------------------------------------ kernel routing
     def _route(self, given: dict, secs: tuple[str, ...], at) -> tuple[list[str], tuple[str, ...]]:
         """Split ``secs`` into the sectors the fused kernel projects and the rest (torch).
 
-        Only when each sector is projected on its own (no ``lrm_internal``: the closed-form sectors
-        touch disjoint entries), at the model's own weights and in the inputs' dtype."""
+        Only when each sector is projected on its own (no ``lrm_internal``, and no ``qk`` beside
+        ``key_bias``: the fused sectors then touch entries no other requested sector does), at the
+        model's own weights and in the inputs' dtype."""
         from gaugeopt.projection.triton_backend import FUSED_SECTORS, unsupported_reason
 
         if at is not None or self.dtype is not None or any(s in _OVERLAPPING for s in secs):
             return [], secs
         fused = []
         for s in secs:
-            if s not in FUSED_SECTORS:
+            if s not in FUSED_SECTORS or (s == "qk" and "key_bias" in secs):  # qk and key_bias share b_K
                 continue
             d = dispatch.choose(f"project_{s}", self._device, backend=self.backend, module="projection_triton",
                                 unsupported=lambda s=s: unsupported_reason(self.sites, s, given))

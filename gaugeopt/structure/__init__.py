@@ -10,6 +10,10 @@
 * :mod:`.rope` — rotation planes and the RoPE commutant;
 * :mod:`.lrm` — learnable multipliers (:class:`LRMLinear`, :func:`apply_lrm`);
 * :mod:`.actions` — finite gauge actions, random group elements, invalid controls;
+* :mod:`.bias` — the bias sectors (key-bias shift, value-bias trade): which bias moves, where;
+* :mod:`.stream`, :mod:`.stream_sectors` — the residual stream of a decoder (writers, norms,
+  readers) and the symmetries that act across it;
+* :mod:`.symmetries` — every known symmetry as a family of finite actions on one model;
 * :mod:`.adapters` — the built-in adapters.
 """
 

@@ -14,6 +14,8 @@ action                    effect
 :func:`rescale_lrm_internal`   ``r ← r ⊙ t``, ``W̄ ← W̄ ⊘ (t ⊗ s)``, ``c ← c ⊙ s`` inside one LRM layer
 :func:`scale_qk_gains`    QK-norm: ``g_q ← g_q ⊙ d``, ``g_k ← g_k ⊘ d`` (LayerNorm biases alike; ``d``
                           constant per RoPE plane when the norm acts before RoPE)
+:func:`shift_key_bias`    ``b_K[j][c] += δ`` on the non-rotary channels ``c`` (the bias sectors,
+:func:`trade_value_bias`  :mod:`gaugeopt.structure.bias`); ``b_V[j] += δ``, ``b_O −= Σ_{i∈j} W_O[:, i] δ``
 ========================  =================================================================
 
 On a QK-norm site (``site.qk_norm``, docs/qk_norm.md) :func:`act_qk` and
@@ -22,9 +24,10 @@ On a QK-norm site (``site.qk_norm``, docs/qk_norm.md) :func:`act_qk` and
 
 :func:`random_gauge_transform` draws well-conditioned elements of any of these; and
 :func:`invalid_gauge_transform` applies the paper's negative controls (asymmetric Q/K, wrong
-inverse, V/O mismatch, cross-head mixing, a general ``GL(d_k)`` under RoPE) and those of QK-norm
+inverse, V/O mismatch, cross-head mixing, a general ``GL(d_k)`` under RoPE), those of QK-norm
 (the plain-attention Q/K gauge under the norm, per-head scalars on ``W_Q``, gain rescales that
-break the rule), which must change the function. :func:`relative_change` measures either.
+break the rule) and those of the bias sectors (a key-bias shift on RoPE-rotated channels, a value
+bias moved without its output-bias compensation), which must change the function. :func:`relative_change` measures either.
 
 Example:
     >>> import copy, torch, gaugeopt
@@ -46,6 +49,7 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.linalg import random_well_conditioned
+from gaugeopt.structure.bias import BIAS_SECTORS, missing_reason
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant
 from gaugeopt.structure.site import AttentionSite
@@ -60,6 +64,8 @@ __all__ = [
     "scale_vo_multipliers",
     "rescale_lrm_internal",
     "scale_qk_gains",
+    "shift_key_bias",
+    "trade_value_bias",
     "random_gauge_transform",
     "invalid_gauge_transform",
     "apply_valid",
@@ -69,13 +75,17 @@ __all__ = [
     "VALID_KINDS",
     "INVALID_KINDS",
     "QK_NORM_INVALID_KINDS",
+    "BIAS_INVALID_KINDS",
     "applicable_invalid_kinds",
 ]
 
-VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain")
+BIAS_KINDS = BIAS_SECTORS
+VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias")
 INVALID_KINDS = ("asymmetric_qk", "wrong_inverse", "vo_mismatch", "cross_head", "gl_under_rope",
-                 "qk_under_norm", "head_scalar", "gain_off_plane", "gain_untied", "gain_without_bias")
-QK_NORM_INVALID_KINDS = INVALID_KINDS[5:]  # controls that need a QK-norm site
+                 "qk_under_norm", "head_scalar", "gain_off_plane", "gain_untied", "gain_without_bias",
+                 "key_bias_rope", "value_bias_alone")
+QK_NORM_INVALID_KINDS = INVALID_KINDS[5:10]  # controls that need a QK-norm site
+BIAS_INVALID_KINDS = INVALID_KINDS[10:]  # controls that need a key bias under RoPE, a value bias
 _NOT_UNDER_NORM = ("qk", "lrm_qk")  # valid kinds that a QK-norm site does not have
 
 
@@ -259,6 +269,31 @@ def scale_qk_gains(site: AttentionSite, delta: torch.Tensor, *, check: bool = Tr
 
 
 @torch.no_grad()
+def shift_key_bias(site: AttentionSite, delta: torch.Tensor) -> None:
+    """The key-bias shift: ``b_K[j][c] ← b_K[j][c] + δ[j, c]`` on the non-rotary channels ``c``.
+
+    ``delta: (h_kv, len(channels))`` with the channels of ``site.bias_sector("key_bias")`` (all of
+    ``d_k`` without RoPE). Every score of query ``i`` moves by the same ``q_i·δ``, which softmax
+    ignores (:mod:`gaugeopt.structure.bias`)."""
+    sec = site.bias_sector("key_bias")
+    _, bk = site.effective("k")
+    site.set_effective_bias("k", sec.shifted(bk, delta))
+
+
+@torch.no_grad()
+def trade_value_bias(site: AttentionSite, delta: torch.Tensor) -> None:
+    """The value-bias trade: ``b_V[j] ← b_V[j] + δ[j]``, ``b_O ← b_O − Σ_{i∈j} W_O[:, i] δ[j]``.
+
+    ``delta: (h_kv, d_v)``. Attention rows sum to one, so each head's output moves by ``W_O[:, i]δ``,
+    which the output bias takes back (:mod:`gaugeopt.structure.bias`)."""
+    sec = site.bias_sector("value_bias")
+    _, bv = site.effective("v")
+    wo, bo = site.effective("o")
+    site.set_effective_bias("v", sec.shifted(bv, delta))
+    site.set_effective_bias("o", sec.absorbed(bo, wo, delta))
+
+
+@torch.no_grad()
 def scale_vo_multipliers(site: AttentionSite, e: torch.Tensor) -> None:
     """``r_V[j] ← r_V[j] ⊙ e[j]``, ``c_O[i] ← c_O[i] ⊘ e[g(i)]`` with ``e: (h_kv, d_v)``."""
     _require_mults(site, (("v", "row_mult"), ("o", "col_mult")))
@@ -327,6 +362,10 @@ def _site_kinds(site: AttentionSite, kinds: tuple[str, ...], explicit: bool, wha
         why = ("it normalises queries and keys (QK-norm): {} is not a symmetry there; its Q/K gauge is kind "
                "'qk_gain' (the norm's gains, docs/qk_norm.md)")
         lacking = {"qk": why.format("GL(d_k) on W_Q/W_K"), "lrm_qk": why.format("rescaling r_Q against r_K")}
+    for kind in BIAS_KINDS:
+        why = missing_reason(site, kind)
+        if why is not None:
+            lacking[kind] = why
     bad = [k for k in kinds if k in lacking]
     if bad and explicit:
         raise GaugeError(f"{what}: kind {bad[0]!r} does not apply to {site.name}: {lacking[bad[0]]}; or pass kinds='all'")
@@ -354,9 +393,11 @@ def random_gauge_transform(
             ``"vo"`` (``GL(d_v)``), ``"perm"`` (head permutations, in the layers whose heads may be
             permuted: not under ALiBi or T5's relative bias), ``"lrm_qk"``, ``"lrm_vo"``
             (diagonal multiplier gauges), ``"lrm_internal"`` (every LRM layer's internal
-            rescaling), ``"qk_gain"`` (a QK-norm site's gain gauge, with random signs), or ``"all"``
-            for every kind each site has. A QK-norm site has ``"qk_gain"`` and neither ``"qk"`` nor
-            ``"lrm_qk"``; asking a site for a kind it lacks raises :class:`GaugeError`.
+            rescaling), ``"qk_gain"`` (a QK-norm site's gain gauge, with random signs), ``"key_bias"``,
+            ``"value_bias"`` (the bias sectors, :mod:`gaugeopt.structure.bias`: shifts ``δ ~
+            N(0, log_scale²)``), or ``"all"`` for every kind each site has. A QK-norm site has
+            ``"qk_gain"`` and neither ``"qk"``, ``"lrm_qk"`` nor ``"key_bias"``; a key bias under full
+            RoPE has no ``"key_bias"`` sector; asking a site for a kind it lacks raises :class:`GaugeError`.
         generator: a ``torch.Generator`` or an integer seed, for reproducibility.
         sites: attention sites (default ``find_attention(model)``).
 
@@ -369,7 +410,7 @@ def random_gauge_transform(
     has_lrm = any(isinstance(m, LRMLinear) for m in model.modules())
     explicit = kinds != "all"
     if kinds == "all":
-        kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm", "qk_gain")
+        kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm", "qk_gain", *BIAS_KINDS)
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     bad = [k for k in kinds if k not in VALID_KINDS]
     if bad:
@@ -390,15 +431,20 @@ def random_gauge_transform(
 
 
 # the per-site kinds, in the order random_gauge_transform applies them
-_SITE_ORDER = ("lrm_qk", "lrm_vo", "qk", "qk_gain", "vo", "perm")
+_SITE_ORDER = ("lrm_qk", "lrm_vo", "key_bias", "value_bias", "qk", "qk_gain", "vo", "perm")
 
 
 def apply_valid(site: AttentionSite, kind: str, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
     """Apply one random valid element of the per-site gauge ``kind`` (``"qk"``, ``"qk_gain"``,
-    ``"vo"``, ``"perm"``, ``"lrm_qk"``, ``"lrm_vo"``) to ``site``, in place (no certificate check:
-    the building block of :func:`random_gauge_transform` and :func:`gaugeopt.certify`)."""
+    ``"vo"``, ``"perm"``, ``"lrm_qk"``, ``"lrm_vo"``, ``"key_bias"``, ``"value_bias"``) to ``site``, in
+    place (no certificate check: the building block of :func:`random_gauge_transform` and
+    :func:`gaugeopt.certify`)."""
     g, dtype = generator, torch.float64
-    if kind == "lrm_qk":
+    if kind in BIAS_KINDS:
+        sec = site.bias_sector(kind)
+        delta = log_scale * torch.randn(sec.groups, len(sec.channels), generator=g, dtype=dtype)
+        (shift_key_bias if kind == "key_bias" else trade_value_bias)(site, delta)
+    elif kind == "lrm_qk":
         pid = plane_index(site.rope, site.d_k)
         per_plane = _log_uniform((site.h_kv, int(pid.max()) + 1), log_scale, g, dtype)
         scale_qk_multipliers(site, per_plane[:, pid])
@@ -458,6 +504,9 @@ def _invalid_sites(sites: Sequence[AttentionSite], kind: str) -> list[AttentionS
                         "a QK-norm model with per-head gains and GQA"),
         "gain_without_bias": (lambda s: s.qk_norm is not None and s.qk_norm.q_bias is not None,
                               "a QK-norm model with a LayerNorm bias"),
+        "key_bias_rope": (lambda s: s.k.bias is not None and s.qk_norm is None and s.rope.active,
+                          "a key bias under RoPE"),
+        "value_bias_alone": (lambda s: s.v.bias is not None, "a value bias"),
     }
     if kind not in need:
         return list(sites)
@@ -497,6 +546,9 @@ def invalid_gauge_transform(
     ``gain_untied``        per-head gains with GQA: a factor per *query head*, the key gain
                            divided by the factor of its group's first query head
     ``gain_without_bias``  LayerNorm QK-norm: the gain rescale with the biases left in place
+    ``key_bias_rope``      a key bias under RoPE: ``b_K[j][c] += δ`` on the *rotated* channels
+                           (the key-bias shift is a symmetry only on the others)
+    ``value_bias_alone``   ``b_V[j] += δ`` without the output bias taking ``W_O δ`` back
     =====================  ===============================================================
 
     Raises:
@@ -552,6 +604,14 @@ def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | N
         scale_qk_gains(site, delta, check=False, move_bias=kind != "gain_without_bias")
     elif kind == "gain_untied":
         _untied_gains(site, _log_uniform((site.h, site.d_k), log_scale, g, torch.float64))
+    elif kind == "key_bias_rope":
+        rotated = sorted(c for plane in site.rope.planes(site.d_k) for c in plane)
+        wk, bk = site.effective("k")
+        bk[:, rotated] += log_scale * torch.randn(site.h_kv, len(rotated), generator=g, dtype=torch.float64).to(bk)
+        site.set_effective_bias("k", bk)
+    elif kind == "value_bias_alone":
+        _, bv = site.effective("v")
+        site.set_effective_bias("v", bv + log_scale * torch.randn(bv.shape, generator=g, dtype=torch.float64).to(bv))
 
 
 @torch.no_grad()

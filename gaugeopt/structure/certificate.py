@@ -12,17 +12,20 @@ heads it has and how RoPE pairs its coordinates. :func:`certify` checks the clai
    record that is right is right for every value of the weights) and compute its output ``y``;
 3. for every sector the record claims — ``qk`` (``GL(d_k)`` per KV group, in the RoPE
    commutant; with a QK-norm ``qk_gain``, the gain gauge of the norm), ``vo`` (``GL(d_v)``),
-   ``perm`` (head permutations), and with learnable
+   ``perm`` (head permutations), the bias sectors ``key_bias`` and ``value_bias`` where the
+   record has the biases (:mod:`gaugeopt.structure.bias`), and with learnable
    multipliers ``lrm_qk``, ``lrm_vo``, ``lrm_internal`` — apply a random valid element to a
    fresh copy and require ``‖y' − y‖ / ‖y‖ ≤ 1e-10``;
 4. per sector, apply a *negative control* (an invalid element: a general ``GL(d_k)`` under RoPE
-   or an asymmetric Q/K pair, the plain Q/K gauge under a QK-norm, a mismatched V/O pair, query heads permuted alone, a one-sided
-   multiplier scale) and require a change ``≥ 1e-3``, so that the check has power.
+   or an asymmetric Q/K pair, the plain Q/K gauge under a QK-norm, a mismatched V/O pair, query
+   heads permuted alone, a one-sided multiplier scale, a key shift on RoPE-rotated channels or one
+   that varies with the key, a value bias moved without the output bias) and require a change
+   ``≥ 1e-3``, so that the check has power.
 
 A layer whose module computes part of the attention in float32 even in float64 (recorded in
 :attr:`~gaugeopt.AttentionSite.float32_steps`, e.g. torchtitan's RoPE, GPT-J's eager scores)
-gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries and keys (``qk``,
-``qk_gain``, ``lrm_qk``, ``perm``); the controls still need ``1e-3``. One layer is copied at a
+gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries, keys, scores or values
+through the softmax (``qk``, ``qk_gain``, ``lrm_qk``, ``perm``, ``key_bias``, ``value_bias``); the controls still need ``1e-3``. One layer is copied at a
 time, so the cost is one float64 attention layer, whatever the model's size.
 
 A wrong record fails: a wrong head count or GQA map, a forgotten partial rotary or a missing
@@ -37,7 +40,7 @@ Example:
     >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, rope="split_half"))
     >>> report = gaugeopt.certify(model, torch.randint(0, 64, (2, 16)))
     >>> [sorted(layer.sectors) for layer in report.layers][0]
-    ['perm', 'qk', 'vo']
+    ['perm', 'qk', 'value_bias', 'vo']
     >>> report.worst_valid < 1e-10 < 1e-3 < report.weakest_control
     True
 """
@@ -75,9 +78,10 @@ __all__ = [
 VALID_TOL = 1e-10
 FLOAT32_TOL = 1e-6
 CONTROL_MIN = 1e-3
-# The sectors that rescale, rotate or reorder queries and keys: the ones a float32 step in q·kᵀ, RoPE or a
-# Q/K norm (whose mean over all heads' channels a head permutation reorders) can see.
-_QK_SECTORS = ("qk", "qk_gain", "lrm_qk", "perm")
+# The sectors that rescale, rotate or reorder queries and keys, or shift the scores or the values: the ones a
+# float32 step in q·kᵀ, RoPE, a Q/K norm (whose mean over all heads' channels a head permutation reorders) or the
+# softmax (whose rows then sum to one only to float32 rounding) can see.
+_QK_SECTORS = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias", "value_bias")
 # How closely a float64 rerun must reproduce the module's output in the model's own forward, by dtype.
 _RERUN_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -301,11 +305,13 @@ def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
 
 def claimed_sectors(site: AttentionSite) -> list[str]:
     """The sectors a record claims: ``qk`` — or ``qk_gain``, the norm's gain gauge, with a QK-norm —,
-    ``vo``, ``perm`` (more than one head, and no per-head score term), and the multiplier sectors its
-    learnable multipliers give it."""
+    ``vo``, ``perm`` (more than one head, and no per-head score term), the bias sectors its biases
+    give it (:attr:`~gaugeopt.AttentionSite.bias_kinds`), and the multiplier sectors its learnable
+    multipliers give it."""
     out = ["qk" if site.qk_norm is None else "qk_gain", "vo"]
     if site.h > 1 and not site.fixed_head_order:
         out.append("perm")
+    out += list(site.bias_kinds)
     if site.qk_norm is None and site.q.row_mult is not None and site.k.row_mult is not None:
         out.append("lrm_qk")
     if site.v.row_mult is not None and site.o.col_mult is not None:
@@ -352,6 +358,18 @@ def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
                 v = ref.get()
                 v.copy_(v[perm])
         return "q_heads_alone"
+    if sector == "key_bias":  # under RoPE the shift on rotated channels; else a key shift that varies per key
+        if site.rope.active:
+            apply_invalid(site, "key_bias_rope", g)
+            return "key_bias_rope"
+        wk, _ = site.effective("k")  # k_j ← k_j + δ (u·x_j)
+        delta = torch.randn(site.h_kv, site.d_k, 1, generator=g, dtype=torch.float64)
+        u = torch.randn(1, 1, wk.shape[-1], generator=g, dtype=torch.float64)
+        site.set_effective("k", wk + (delta * u).to(wk) * wk.norm() / (delta * u).norm().to(wk))
+        return "key_shift_varying"
+    if sector == "value_bias":
+        apply_invalid(site, "value_bias_alone", g)
+        return "value_bias_alone"
     if sector == "lrm_qk":  # r_Q scaled per plane, r_K not compensated
         r = site.q.row_mult.get()
         r.mul_(_log_uniform(r.shape, 0.5, g, torch.float64).to(r))

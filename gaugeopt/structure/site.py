@@ -48,7 +48,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,9 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.pair import GaugePair
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from gaugeopt.structure.bias import BiasSector
 
 __all__ = ["TensorRef", "Projection", "QKNorm", "AttentionSite"]
 
@@ -310,6 +313,22 @@ class AttentionSite:
         axis. A QK-norm site has ``"qk_gain"`` and refuses ``"qk"``; :attr:`qk_kind` says which."""
         return GaugePair.of(self, kind)
 
+    def bias_sector(self, kind: str) -> "BiasSector":
+        """The ``"key_bias"`` or ``"value_bias"`` :class:`~gaugeopt.structure.bias.BiasSector` of this
+        site (which bias shifts, on which channels, what absorbs it); :attr:`bias_kinds` says which
+        this site has."""
+        from gaugeopt.structure.bias import BiasSector
+
+        return BiasSector.of(self, kind)
+
+    @property
+    def bias_kinds(self) -> tuple[str, ...]:
+        """The bias sectors of this site: ``"key_bias"`` (a key bias, non-rotary channels, no QK-norm)
+        and ``"value_bias"`` (value and output biases); see :mod:`gaugeopt.structure.bias`."""
+        from gaugeopt.structure.bias import bias_kinds
+
+        return bias_kinds(self)
+
     @property
     def qk_kind(self) -> str:
         """The pair that carries this site's Q/K gauge: ``"qk_gain"`` under QK-norm, ``"qk"`` otherwise."""
@@ -374,6 +393,17 @@ class AttentionSite:
         return w, b
 
     @torch.no_grad()
+    def set_effective_bias(self, p: str, bias: torch.Tensor) -> None:
+        """Write an effective bias of projection ``p`` back (``b̄ = b ⊘ r`` under LRM), leaving the weight."""
+        proj: Projection = getattr(self, p)
+        if proj.bias is None:
+            raise GaugeError(f"{self.name}: projection {p!r} has no bias to write")
+        b = bias
+        if proj.row_mult is not None:
+            b = b / proj.row_mult.get()
+        proj.bias.get().copy_(b)
+
+    @torch.no_grad()
     def set_effective(self, p: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Write an effective ``(weight, bias)`` back, dividing out the LRM multipliers."""
         proj: Projection = getattr(self, p)
@@ -385,12 +415,7 @@ class AttentionSite:
             w = w / c
         proj.weight.get().copy_(w)
         if bias is not None:
-            if proj.bias is None:
-                raise GaugeError(f"{self.name}: projection {p!r} has no bias to write")
-            b = bias
-            if proj.row_mult is not None:
-                b = b / proj.row_mult.get()
-            proj.bias.get().copy_(b)
+            self.set_effective_bias(p, bias)
 
     def __repr__(self) -> str:  # compact: the dataclass default would print whole modules
         extra = f", rope={self.rope.kind}:{self.rope.rotary_dim}" if self.rope.active else ""

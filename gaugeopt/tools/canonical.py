@@ -18,7 +18,17 @@ section            Q/K equations (``P = Σ_i W_Q[i]W_Q[i]ᵀ``,       V/O equati
 The paper's ``(W_V^{(i)})ᵀW_V^{(i)} = I`` is ``W_V[j]W_V[j]ᵀ = I`` here. With GQA one factor
 serves a whole group, so the query condition is on the group sum ``P`` (for ``h_kv = h`` it
 is the paper's per-head condition). Biases travel covariantly (paper 000 Prop. 12):
-``b_Q ← Aᵀb_Q``, ``b_K ← A⁻¹b_K``, ``b_V ← Cᵀb_V``; the output bias is untouched.
+``b_Q ← Aᵀb_Q``, ``b_K ← A⁻¹b_K``, ``b_V ← Cᵀb_V``; the head gauges leave the output bias alone.
+
+**Bias sectors** (:mod:`gaugeopt.structure.bias`). Prop. 12's laws are unique only up to two more
+exact symmetries: the key bias is free on the non-rotary channels (softmax ignores a score shift
+common to all keys) and the value bias trades against the output bias (attention rows sum to
+one). With ``biases="fold"`` (default) the form fixes them too — ``b_K = 0`` on the non-rotary
+channels, and ``b_V = 0`` with ``Σ_i W_O[:, i] b_V[g(i)]`` added to ``b_O`` — so models that differ
+by a bias move canonicalise to the same parameters; :attr:`CanonicalReport.bias_zeroed` counts the
+entries that became pure zeros (GPT-2 small: ``12·(768 + 768) = 18,432``). A zero block stays zero
+under the head gauges (their factors are block diagonal on the rotary/non-rotary split), so the
+order of the steps does not matter. ``biases="keep"`` leaves the biases as they are.
 
 **Residual freedom.** Both sections leave ``O(d_k) × O(d_v)`` per group (paper 000 Prop. 45).
 ``residual="keep"`` stops there — exactly Algorithm 1 for ``"qr"``, the symmetric
@@ -89,7 +99,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from gaugeopt.structure.actions import act_qk, act_vo, permute_heads, scale_qk_gains
+from gaugeopt.structure.actions import act_qk, act_vo, permute_heads, scale_qk_gains, shift_key_bias, trade_value_bias
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.drift import read_mean_squares, slot_rms
 from gaugeopt.structure.lrm import LRMLinear
@@ -101,24 +111,63 @@ from gaugeopt.structure.registry import find_attention
 
 __all__ = [
     "SECTIONS", "RESIDUALS", "GaugeMetrics", "CanonicalReport", "canonicalize", "canonical_metrics",
-    "section_residual", "fold_lrm_multipliers", "effective_tensors", "head_energies",
+    "section_residual", "fold_lrm_multipliers", "effective_tensors", "head_energies", "fold_bias_tensors",
+    "fold_biases", "BIAS_MODES",
 ]
 
 SECTIONS = ("qr", "balanced")
 RESIDUALS = ("fix", "keep")
+BIAS_MODES = ("fold", "keep")
 
 
 # ---------------------------------------------------------------------- reading a site
-def effective_tensors(site: AttentionSite) -> dict[str, torch.Tensor | None]:
+def effective_tensors(site: AttentionSite, *, fold_biases: bool = False) -> dict[str, torch.Tensor | None]:
     """Effective float64 copies: ``wq (h, d_k, d)``, ``bq (h, d_k)``, ``wk (h_kv, d_k, d)``,
-    ``bk``, ``wv (h_kv, d_v, d)``, ``bv``, ``wo (h, d_out, d_v)`` (per head: ``W_O[:, i]``)."""
+    ``bk``, ``wv (h_kv, d_v, d)``, ``bv``, ``wo (h, d_out, d_v)`` (per head: ``W_O[:, i]``), ``bo``.
+
+    ``fold_biases=True`` returns the representative of the bias sectors instead
+    (:func:`fold_bias_tensors`): ``b_K = 0`` on the non-rotary channels, ``b_V = 0`` with
+    ``Σ_i W_O[:, i] b_V[g(i)]`` added to ``b_O`` — the same function."""
     out: dict[str, torch.Tensor | None] = {}
     for p in "qkvo":
         w, b = site.effective(p)
         out["w" + p] = w.detach().double()  # (under LRM site.effective stays attached to the multipliers)
         out["b" + p] = None if b is None else b.detach().double()
     out["wo"] = out["wo"].permute(1, 0, 2)  # (d_out, h, d_v) -> (h, d_out, d_v)
+    return fold_bias_tensors(site, out) if fold_biases else out
+
+
+def fold_bias_tensors(site: AttentionSite, t: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+    """The bias sectors' representative of :func:`effective_tensors`' ``t`` (a new dict): the
+    key-bias shift ``δ = −b_K`` on the non-rotary channels and the value-bias trade ``δ = −b_V``
+    (:mod:`gaugeopt.structure.bias`), where the site has them; other entries are shared."""
+    out = dict(t)
+    kinds = site.bias_kinds
+    if "key_bias" in kinds:
+        sec = site.bias_sector("key_bias")
+        out["bk"] = sec.shifted(t["bk"], -t["bk"][:, list(sec.channels)])
+    if "value_bias" in kinds:
+        sec = site.bias_sector("value_bias")
+        out["bo"] = sec.absorbed(t["bo"], t["wo"].permute(1, 0, 2), -t["bv"])
+        out["bv"] = sec.shifted(t["bv"], -t["bv"])
     return out
+
+
+@torch.no_grad()
+def fold_biases(site: AttentionSite) -> int:
+    """Move ``site`` to the bias sectors' representative, in place (the function is unchanged):
+    ``b_K ← 0`` on the non-rotary channels (:func:`~gaugeopt.structure.actions.shift_key_bias`),
+    ``b_O ← b_O + Σ_i W_O[:, i] b_V[g(i)]``, ``b_V ← 0``
+    (:func:`~gaugeopt.structure.actions.trade_value_bias`). Returns how many bias entries became pure
+    zeros (``h_kv·(d_k − r)`` + ``h_kv·d_v`` where the site has the sectors)."""
+    zeroed = 0
+    for kind in site.bias_kinds:
+        sec = site.bias_sector(kind)
+        _, b = site.effective(sec.proj)
+        delta = -b[:, list(sec.channels)]
+        (shift_key_bias if kind == "key_bias" else trade_value_bias)(site, delta)  # b + (−b) is exactly 0
+        zeroed += sec.dim
+    return zeroed
 
 
 def _stack_queries(site: AttentionSite, wq: torch.Tensor) -> torch.Tensor:
@@ -409,19 +458,23 @@ def canonical_metrics(model: nn.Module) -> GaugeMetrics:
 
 
 # ---------------------------------------------------------------------- the section's equations
-def section_residual(model: nn.Module, section: str = "qr", residual: str = "fix") -> float:
+def section_residual(model: nn.Module, section: str = "qr", residual: str = "fix", biases: str = "fold") -> float:
     """Largest violation of the section's equations in ``model`` (0 for an exact canonical form).
 
     Relative residuals of: the Q/K condition (``P = I`` / ``P = R`` on non-rotary coordinates,
     ``tr P_m = 2`` / ``tr P_m = tr R_m`` per plane; on a QK-norm site ``s_q = 1`` / ``s_q = s_k``
-    per slot of the gains), ``W_V W_Vᵀ = I``, and with ``residual="fix"`` the
-    diagonal/descending/sign conventions (a wrong sign counts as 1).
+    per slot of the gains), ``W_V W_Vᵀ = I``, with ``residual="fix"`` the
+    diagonal/descending/sign conventions (a wrong sign counts as 1), and with ``biases="fold"``
+    the bias sectors' ``b_K = 0`` (non-rotary channels) and ``b_V = 0``, relative to the bias's
+    scale (its rows' norm, or 1).
     """
-    _check_args(section, residual)
+    _check_args(section, residual, biases)
     worst = 0.0
     for site in find_attention(model):
         refuse_layer_norm(site, "section_residual")
         t = effective_tensors(site)
+        if biases == "fold":
+            worst = max(worst, _bias_residual(site, t))
         if site.qk_norm is not None:
             worst = max(worst, _gain_residual(site, section, residual))
             worst = max(worst, _vo_residual(site, t, residual))
@@ -449,6 +502,16 @@ def section_residual(model: nn.Module, section: str = "qr", residual: str = "fix
                 worst = max(worst, _diag_violation(G, torch.linalg.matrix_norm(G)))
                 worst = max(worst, _sign_violation(torch.cat([K[:, p], K[:, q]], -1)))
         worst = max(worst, _vo_residual(site, t, residual))
+    return worst
+
+
+def _bias_residual(site: AttentionSite, t: dict) -> float:
+    worst = 0.0
+    for kind in site.bias_kinds:
+        sec = site.bias_sector(kind)
+        b = t["b" + sec.proj][:, list(sec.channels)]
+        w = t["w" + sec.proj][:, list(sec.channels)]
+        worst = max(worst, float(b.norm() / max(float(w.norm()), 1.0)))
     return worst
 
 
@@ -500,6 +563,9 @@ class CanonicalReport:
             rule), ``sort_gap`` (smallest relative gap between consecutive sort keys). A value
             near rounding level means a tiny perturbation can pick another representative of the
             same orbit (the function never changes); ``inf`` when the choice was not made.
+        biases: ``"fold"`` or ``"keep"``, as requested.
+        bias_zeroed: bias entries the bias sectors made pure zeros (``b_K`` on non-rotary channels,
+            ``b_V``): parameters a checkpoint in this form no longer needs.
     """
 
     model: nn.Module
@@ -510,13 +576,17 @@ class CanonicalReport:
     kv_perms: list[torch.Tensor] = field(default_factory=list)
     q_perms: list[torch.Tensor] = field(default_factory=list)
     margins: dict[str, float] = field(default_factory=dict)
+    biases: str = "fold"
+    bias_zeroed: int = 0
 
 
-def _check_args(section: str, residual: str) -> None:
+def _check_args(section: str, residual: str, biases: str = "fold") -> None:
     if section not in SECTIONS:
         raise GaugeError(f"canonicalize: section={section!r} must be one of {SECTIONS}")
     if residual not in RESIDUALS:
         raise GaugeError(f"canonicalize: residual={residual!r} must be one of {RESIDUALS}")
+    if biases not in BIAS_MODES:
+        raise GaugeError(f"canonicalize: biases={biases!r} must be one of {BIAS_MODES}")
 
 
 @torch.no_grad()
@@ -546,6 +616,7 @@ def canonicalize(
     residual: str = "fix",
     sort_heads: bool = True,
     fold_multipliers: bool = True,
+    biases: str = "fold",
     inplace: bool = False,
     rank_rtol: float | None = None,
 ) -> CanonicalReport:
@@ -559,6 +630,9 @@ def canonicalize(
             weights); ``"keep"`` leaves it, as the papers do.
         sort_heads: order heads by the documented rule (module docstring).
         fold_multipliers: fold LRM multipliers into the weights first (see module docstring).
+        biases: ``"fold"`` moves the bias sectors to their representative — ``b_K = 0`` on the
+            non-rotary channels, ``b_V = 0`` absorbed into ``b_O`` (:func:`fold_biases`) — so the form
+            is unique under them too; ``"keep"`` leaves the biases where they are (the papers' forms).
         inplace: modify ``model`` instead of a deep copy.
         rank_rtol: refuse projections with ``σ_min/σ_max`` at or below this (default
             ``min(1e3·eps, 1e-4)`` for the model's dtype).
@@ -567,9 +641,9 @@ def canonicalize(
         A :class:`CanonicalReport` (``.model`` is the canonical model).
 
     Raises:
-        GaugeError: unknown section/residual, a rank-deficient projection, or a LayerNorm QK-norm.
+        GaugeError: unknown section/residual/biases, a rank-deficient projection, or a LayerNorm QK-norm.
     """
-    _check_args(section, residual)
+    _check_args(section, residual, biases)
     for site in find_attention(model):
         refuse_layer_norm(site, "canonicalize")
     target = model if inplace else copy.deepcopy(model)
@@ -583,7 +657,10 @@ def canonicalize(
     before = canonical_metrics(target)
     margins = {"spectral_gap": float("inf"), "sign_margin": float("inf"), "sort_gap": float("inf")}
     kv_perms, q_perms = [], []
+    zeroed = 0
     for site in sites:
+        if biases == "fold":
+            zeroed += fold_biases(site)
         if site.qk_norm is None:
             A = _qk_factor(site, effective_tensors(site), section, residual, rank_rtol, margins)
             act_qk(site, A)
@@ -598,4 +675,5 @@ def canonicalize(
             kv_perm, q_perm = torch.arange(site.h_kv), torch.arange(site.h)
         kv_perms.append(kv_perm)
         q_perms.append(q_perm)
-    return CanonicalReport(target, section, residual, before, canonical_metrics(target), kv_perms, q_perms, margins)
+    return CanonicalReport(target, section, residual, before, canonical_metrics(target), kv_perms, q_perms, margins,
+                           biases, zeroed)

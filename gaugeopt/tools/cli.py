@@ -3,7 +3,11 @@
 ====================  ====================================================================
 command               what it prints / writes
 ====================  ====================================================================
-``count``             gauge dimensions per symmetry in both conventions (papers 000, 003)
+``count``             symmetry dimensions per sector: the papers' conventions (000, 003) and
+                      gaugeopt's complete count
+``flat``              the flat-direction meter on a small checkpoint or config: nullity of the
+                      logits' Jacobian, attributed to the known symmetries; exit 1 when part
+                      of it is unexplained
 ``verify``            relative output changes under random valid and invalid gauge
                       transforms (paper 000 Tables 5–7); exit 1 if they do not separate
 ``canonicalize``      paper 000 Table 8 metrics before/after and Table 9 exactness;
@@ -41,6 +45,7 @@ from typing import Sequence
 import torch
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.tools.flat import DEFAULT_MAX_PARAMS
 
 __all__ = ["main", "build_parser"]
 
@@ -148,15 +153,69 @@ def _cmd_count(args) -> int:
         n_params = sum(p.numel() for p in ckpt.model.parameters())
     wang = gauge_dimension(subject, "wang", per_symmetry=True)
     vn = gauge_dimension(subject, "van_nierop", per_symmetry=True)
-    names = list(dict.fromkeys([*wang, *vn]))
-    rows = [[n, f"{wang[n]:,}" if n in wang else "-", f"{vn[n]:,}" if n in vn else "-"] for n in names]
-    rows.append(["total", f"{sum(wang.values()):,}", f"{sum(vn.values()):,}"])
-    print(f"gauge dimensions of {args.target} ({_describe(layer_shapes(subject), kind)})")
-    print(_table(["symmetry", "wang (paper 000)", "van_nierop (paper 003)"], rows))
+    try:
+        complete, why = gauge_dimension(subject, "complete", per_symmetry=True), ""
+    except GaugeError as err:
+        complete, why = None, str(err)
+    cols = [wang, vn] + ([complete] if complete is not None else [])
+    names = list(dict.fromkeys(n for c in cols for n in c))
+    rows = [[n, *(f"{c[n]:,}" if n in c else "-" for c in cols)] for n in names]
+    rows.append(["total", *(f"{sum(c.values()):,}" for c in cols)])
+    print(f"symmetry dimensions of {args.target} ({_describe(layer_shapes(subject), kind)})")
+    print(_table(["symmetry", "wang (paper 000)", "van_nierop (paper 003)"] + (["complete"] if complete else []), rows))
+    if why:
+        print(f"complete: not available ({why})")
     if n_params:
         frac = 100 * sum(wang.values()) / n_params
-        print(f"parameters: {n_params:,}; gauge directions (wang): {frac:.2f}% of them")
+        extra = f", complete: {100 * sum(complete.values()) / n_params:.2f}%" if complete else ""
+        print(f"parameters: {n_params:,}; symmetry directions (wang): {frac:.2f}% of them{extra}")
     return 0
+
+
+# ---------------------------------------------------------------------- flat
+def _cmd_flat(args) -> int:
+    from gaugeopt.structure.invariance import randomize_parameters
+    from gaugeopt.tools.checkpoint import build_model, context_length, read_config
+    from gaugeopt.tools.counting import gauge_dimension
+    from gaugeopt.tools.flat import covering_tokens, flat_directions, suggested_sequences
+
+    if args.dtype != "float64":
+        raise GaugeError(f"--dtype {args.dtype}: the meter resolves singular values down to 1e-15 only in float64")
+    target = Path(args.target)
+    if target.suffix == ".json" and args.config is None:
+        if not target.is_file():
+            raise GaugeError(f"config {target} does not exist")
+        model = build_model(read_config(target)).double()
+        randomize_parameters(model, torch.Generator().manual_seed(args.seed))
+        origin = f"random generic weights from the config, seed {args.seed}"
+    else:
+        model = _load(args.target, args.config, args).model
+        origin = "the checkpoint's weights"
+    n = sum(p.numel() for p in model.parameters())
+    if n > args.max_params:  # before building any input
+        return _refuse_large(n, args.max_params)
+    vocab, ctx = context_length(model)
+    length = min(args.seq_len, ctx)
+    n_seq = args.sequences or suggested_sequences(model, vocab, length)
+    x = covering_tokens(vocab, length, n_seq, seed=args.seed)
+    print(f"flat directions of {args.target} ({origin}; {n:,} parameters; {n_seq} sequences of {length} tokens "
+          "covering every token id; outputs: the logits)\n")
+    rep = flat_directions(model, x, max_params=args.max_params, progress=None if not args.quiet else False)
+    print(rep.table())
+    try:
+        complete = gauge_dimension(model, "complete")
+        verdict = "equal" if complete == rep.nullity - len(rep.unused) else f"differs by {rep.nullity - len(rep.unused) - complete:+,}"
+        print(f"\ncomplete count (gaugeopt count): {complete:,}; measured nullity without unused coordinates: "
+              f"{rep.nullity - len(rep.unused):,} ({verdict})")
+    except GaugeError as err:
+        print(f"\ncomplete count: not available ({err})")
+    return 0 if rep.remainder == 0 else 1
+
+
+def _refuse_large(n: int, limit: int) -> int:
+    from gaugeopt.tools.flat import too_large_message
+
+    raise GaugeError(too_large_message(n, limit))
 
 
 # ---------------------------------------------------------------------- verify
@@ -175,7 +234,9 @@ def _attention_outputs(model, sites, run):
 
 
 def _cmd_verify(args) -> int:
-    from gaugeopt.structure.actions import INVALID_KINDS, VALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change
+    from gaugeopt.structure.actions import (
+        BIAS_KINDS, INVALID_KINDS, VALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change,
+    )
     from gaugeopt.tools.checkpoint import forward_logits
     from gaugeopt.structure.registry import find_attention
 
@@ -187,9 +248,11 @@ def _cmd_verify(args) -> int:
     run = lambda m: forward_logits(m, x)  # noqa: E731
     sites = find_attention(model)
     # every kind some site has ("all" applies each where it exists; QK-norm sites: qk_gain, not qk/lrm_qk)
-    kinds = tuple(k for k in (VALID_KINDS if _is_lrm(model) else ("qk", "vo", "perm", "qk_gain"))
+    has_bias = {k for s in sites for k in s.bias_kinds}
+    kinds = tuple(k for k in (VALID_KINDS if _is_lrm(model) else ("qk", "vo", "perm", "qk_gain", *BIAS_KINDS))
                   if not (k == "qk_gain" and all(s.qk_norm is None for s in sites))
-                  and not (k in ("qk", "lrm_qk") and all(s.qk_norm is not None for s in sites)))
+                  and not (k in ("qk", "lrm_qk") and all(s.qk_norm is not None for s in sites))
+                  and not (k in BIAS_KINDS and k not in has_bias))
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         att0, log0 = _attention_outputs(model, sites, run)
@@ -239,11 +302,14 @@ def _cmd_canonicalize(args) -> int:
     _check_output(args.output, [ckpt], args.force)
     report = canonicalize(
         ckpt.model, args.section, residual=args.residual, sort_heads=not args.no_sort,
-        fold_multipliers=not args.keep_multipliers,
+        fold_multipliers=not args.keep_multipliers, biases=args.biases,
     )
     canon = report.model
     print(f"canonicalised {args.target} (section {args.section}, residual {args.residual}, "
-          f"heads {'kept in place' if args.no_sort else 'sorted'}, {args.dtype})\n")
+          f"heads {'kept in place' if args.no_sort else 'sorted'}, biases {args.biases}, {args.dtype})\n")
+    if args.biases == "fold":
+        print(f"bias sectors: {report.bias_zeroed:,} bias entries are now zero (b_K on non-rotary channels; b_V, "
+              "folded into b_O): parameters a checkpoint in this form does not need\n")
     b, a = report.before.summary(), report.after.summary()
     labels = [("value_orthonormality", "||W_V W_V^T - I||_F (value orthonormality)"),
               ("qk_imbalance", "Q/K imbalance ||P - R||_F / ||P||_F"),
@@ -342,10 +408,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gaugeopt", description="Gauge tools for transformer checkpoints (see docs/model_tools.md).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
-    p = sub.add_parser("count", parents=[common], help="gauge dimensions of a config or checkpoint")
+    p = sub.add_parser("count", parents=[common], help="symmetry dimensions of a config or checkpoint")
     p.add_argument("target", help="config .json, checkpoint directory or weights file")
     p.add_argument("--config", help="config of a weights file")
     p.set_defaults(func=_cmd_count)
+
+    p = sub.add_parser("flat", parents=[common], help="measure the flat directions of a small checkpoint or config")
+    p.add_argument("target", help="config .json (random generic weights) or checkpoint directory or weights file")
+    p.add_argument("--config", help="config of a weights file")
+    p.add_argument("--sequences", type=int, help="number of token sequences (default: enough for the parameter count)")
+    p.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16, at most the context)")
+    p.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
+                   help=f"refuse larger models (default {DEFAULT_MAX_PARAMS:,}: the method is dense, n^2 memory)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_cmd_flat)
 
     p = sub.add_parser("verify", parents=[common], help="output change under valid and invalid gauge transforms")
     p.add_argument("target", help="checkpoint directory or weights file")
@@ -364,6 +440,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-sort", action="store_true", help="keep the head order")
     p.add_argument("--keep-multipliers", action="store_true",
                    help="LRM: keep the multipliers (only the effective weights become canonical)")
+    p.add_argument("--biases", choices=("fold", "keep"), default="fold",
+                   help="fold: b_K = 0 on non-rotary channels, b_V folded into b_O (default); keep: leave the biases")
     p.add_argument("--prompts", type=int, default=10)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--force", action="store_true", help="replace existing output files, even an input")

@@ -1,16 +1,38 @@
-"""How many parameter-space directions are pure gauge: counts per model and per symmetry.
+"""How many independent parameter-space directions are symmetries: counts per model and per sector.
 
-Two published conventions (docs/gauge_group.md), computed from a model *or* from a config without
-allocating weights:
+Three conventions (docs/gauge_group.md, docs/model_tools.md), from a model *or* from a config
+without allocating weights. They count *symmetry directions* — the dimension of a group's orbit
+through generic weights — and only ``"complete"`` is meant to equal the number of flat directions
+a model has (the nullity of its logits' Jacobian, measured by :func:`gaugeopt.flat_directions`):
 
 ``convention="wang"`` (paper 000): the continuous head-wise attention symmetries,
     per layer and KV group ``dim(Q/K) + d_v²`` with ``dim(Q/K) = d_k²`` without RoPE and
     ``r + (d_k − r)²`` with ``r`` rotated coordinates — ``h(d_k + d_v²)`` per layer for full
-    RoPE. GPT-2 small: ``12·12·(64² + 64²) = 1,179,648``.
+    RoPE. GPT-2 small: ``12·12·(64² + 64²) = 1,179,648``. A lower bound: the model has more.
 
 ``convention="van_nierop"`` (paper 003, Table 1): ``L·h·(d_k² + d_v²)`` plus the residual-stream
     rotations ``(d−1)(d−2)/2`` (it ignores RoPE). GPT-2 small 1,473,409; GPT-2 XL 11,108,001
-    (≈ 11.1M); LLaMA-65B 201,314,305 (≈ 201M).
+    (≈ 11.1M); LLaMA-65B 201,314,305 (≈ 201M). Not a count of symmetries of these models as
+    parameterised: the rotations are symmetries only with an untied head, and then paper 003's
+    formula omits the other sectors (docs/errata.md).
+
+``convention="complete"``: every exact continuous symmetry gaugeopt knows, for the models whose
+    residual stream it understands (:func:`gaugeopt.structure.stream.find_stream`: gaugeopt's GPT,
+    Hugging Face GPT-2 and the Llama family; configs of those). Per layer: ``qk`` and ``vo`` as
+    ``"wang"``; the bias sectors ``key_bias`` ``h_kv(d_k − r)`` and ``value_bias`` ``h_kv·d_v``
+    (:mod:`gaugeopt.structure.bias`); ``norm_gain`` ``d`` per norm; with LayerNorm ``norm_bias``
+    ``d`` per norm with a bias, ``norm_meanfree`` the rows of every reader of the norm (when the norm
+    has no bias or the reader has one: ``(h + h_kv)·d_k + h_kv·d_v`` after ``norm1``, ``d_ff`` per MLP
+    input after ``norm2``) and ``residual_ones`` ``h·d_v + [b_O] + d_ff + [b_down]``; ``mlp_scale``
+    ``d_ff`` for SwiGLU and ReLU. Once: with LayerNorm ``residual_ones`` ``T`` learned positions
+    (+ ``V`` with an untied head); ``embedding_shift`` ``d − [LayerNorm]`` (untied, learned
+    positions) or ``1`` (tied, LayerNorm without a final bias); with an untied head the final norm's
+    ``norm_gain`` ``d``, ``norm_bias`` ``d``, ``norm_meanfree`` ``V`` (no final bias or a head bias),
+    and ``residual_rotation`` ``d(d−1)/2`` (RMSNorm) or ``(d−1)(d−2)/2`` (LayerNorm). The
+    derivations are in :mod:`gaugeopt.structure.stream_sectors`. It equals the measured nullity on
+    generic weights, with the logits as the output and inputs that use every token and position
+    (``tests/test_flat.py``). GPT-2 small: 1,346,584 — of paper 003's 293,761 rotations none is a
+    symmetry of the tied model.
 
 With GQA every count uses the KV groups (``h_kv``), which is where the symmetry lives. A model
 with learnable multipliers has one more family, the internal ``r·W̄·c`` rescalings of every
@@ -34,6 +56,9 @@ Example:
     1179648
     >>> gauge_dimension({"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768}, convention="van_nierop")
     1473409
+    >>> gauge_dimension({"model_type": "gpt2", "n_layer": 12, "n_head": 12, "n_embd": 768, "vocab_size": 50257,
+    ...                  "n_positions": 1024}, convention="complete")
+    1346584
 """
 
 from __future__ import annotations
@@ -44,11 +69,13 @@ from typing import Any
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.structure.bias import sector_dims
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
+from gaugeopt.structure.stream import StreamShape
 
-__all__ = ["LayerShape", "NormShape", "gauge_dimension", "layer_shapes"]
+__all__ = ["LayerShape", "NormShape", "gauge_dimension", "layer_shapes", "stream_shape", "CONVENTIONS"]
 
-CONVENTIONS = ("wang", "van_nierop")
+CONVENTIONS = ("wang", "van_nierop", "complete")
 
 
 @dataclass(frozen=True)
@@ -65,8 +92,9 @@ class NormShape:
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The head structure of one attention layer, all a count needs (``qk_bias``: the Q/K
-    projections have biases; ``qk_norm``: the layer normalises queries and keys)."""
+    """The head structure of one attention layer, all a count needs (``qk_bias``: the query projection
+    has a bias; ``k_bias``, ``v_bias``, ``o_bias``: the others; ``qk_norm``: the layer normalises
+    queries and keys)."""
 
     h: int
     h_kv: int
@@ -76,6 +104,14 @@ class LayerShape:
     rope: RopeSpec = NO_ROPE
     qk_norm: NormShape | None = None
     qk_bias: bool = False
+    k_bias: bool = False
+    v_bias: bool = False
+    o_bias: bool = False
+
+    def bias_sectors(self) -> dict[str, int]:
+        """Dimensions of the layer's bias sectors (:func:`gaugeopt.structure.bias.sector_dims`)."""
+        return sector_dims(h_kv=self.h_kv, d_k=self.d_k, d_v=self.d_v, rotary_dim=self.rope.rotary_dim,
+                           k_bias=self.k_bias, v_bias=self.v_bias, o_bias=self.o_bias, qk_norm=self.qk_norm is not None)
 
 
 def _get(cfg: Any, *names: str, default=None):
@@ -101,7 +137,8 @@ _HF_QK_NORM = {"qwen3": ("head", False), "olmo2": ("full", True), "gemma3_text":
 def _site_shape(s) -> LayerShape:
     n = s.qk_norm
     norm = None if n is None else NormShape(n.kind, n.per_head, n.scope, n.before_rope, n.eps, n.q_bias is not None)
-    return LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope, norm, s.q.bias is not None)
+    return LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope, norm, s.q.bias is not None, s.k.bias is not None,
+                      s.v.bias is not None, s.o.bias is not None)
 
 
 def layer_shapes(model_or_config: Any) -> list[LayerShape]:
@@ -121,7 +158,8 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
     if isinstance(cfg, GPTConfig):
         rope = NO_ROPE if cfg.rope == "none" else RopeSpec(cfg.rope, cfg.rotary_dim)
         norm = NormShape("rms", False, "head", True, 1e-6) if cfg.qk_norm else None  # gaugeopt.models.gpt.RMSNorm
-        shape = LayerShape(cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, cfg.n_embd, rope, norm, cfg.bias)
+        b = cfg.bias
+        shape = LayerShape(cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, cfg.n_embd, rope, norm, b, b, b, b)
         return [shape] * cfg.n_layer
     model_type = _get(cfg, "model_type")
     if model_type == "gemma3":  # the multimodal config keeps the language model's in text_config
@@ -131,7 +169,7 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
         return layer_shapes(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
     if model_type == "gpt2":
         L, h, d = _get(cfg, "n_layer", "num_hidden_layers"), _get(cfg, "n_head", "num_attention_heads"), _get(cfg, "n_embd", "hidden_size")
-        return [LayerShape(h, h, d // h, d // h, d)] * L
+        return [LayerShape(h, h, d // h, d // h, d, qk_bias=True, k_bias=True, v_bias=True, o_bias=True)] * L
     if model_type in ("llama", "mistral", "qwen2") or model_type in _HF_QK_NORM:
         L = _get(cfg, "num_hidden_layers")
         h = _get(cfg, "num_attention_heads")
@@ -143,7 +181,8 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
         if model_type in _HF_QK_NORM:
             scope, per_head = _HF_QK_NORM[model_type]
             norm = NormShape("rms", per_head, scope, True, float(_get(cfg, "rms_norm_eps", default=1e-6)))
-        return [LayerShape(h, h_kv, d_k, d_k, d, _rope_from_hf(cfg, d_k), norm, bias)] * L
+        o_bias = bool(_get(cfg, "attention_bias", default=False))  # Qwen2 biases Q, K, V but not O
+        return [LayerShape(h, h_kv, d_k, d_k, d, _rope_from_hf(cfg, d_k), norm, bias, bias, bias, o_bias)] * L
     raise GaugeError(
         f"gauge_dimension: cannot read a config of model_type={model_type!r} ({type(cfg).__qualname__}); "
         "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2/qwen3/olmo2/gemma3 config "
@@ -179,23 +218,127 @@ def _lrm_internal(model: Any) -> int:
     return sum(m.internal_gauge_dim for m in model.modules() if isinstance(m, LRMLinear))
 
 
+def stream_shape(model_or_config: Any) -> StreamShape:
+    """The :class:`~gaugeopt.structure.stream.StreamShape` of a model (via
+    :func:`~gaugeopt.structure.stream.find_stream`) or a config: :class:`gaugeopt.models.GPTConfig`, or a
+    ``gpt2``/``llama``/``mistral``/``qwen2`` Hugging Face config (object or ``config.json`` dict).
+
+    Raises:
+        GaugeError: a model or config whose residual stream gaugeopt does not describe.
+    """
+    if isinstance(model_or_config, nn.Module):
+        from gaugeopt.structure.stream import find_stream
+
+        return find_stream(model_or_config).shape()
+    cfg = model_or_config
+    from gaugeopt.models.gpt import GPTConfig
+
+    if isinstance(cfg, GPTConfig):
+        return StreamShape(cfg.n_layer, cfg.n_embd, cfg.mlp_hidden, cfg.vocab_size, cfg.block_size if cfg.rope == "none" else 0,
+                           cfg.norm, cfg.mlp, cfg.tie_weights, cfg.bias and cfg.norm == "layernorm", cfg.bias, cfg.bias)
+    model_type = _get(cfg, "model_type")
+    if model_type == "gpt2":
+        d = _get(cfg, "n_embd", "hidden_size")
+        fn = _get(cfg, "activation_function", default="gelu_new")
+        act = {"gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}.get(fn)
+        missing = [k for k in ("vocab_size", "n_positions") if _get(cfg, k) is None]
+        if act is None or missing:
+            raise GaugeError(f"gauge_dimension(convention='complete'): a gpt2 config needs "
+                             + (f"{' and '.join(missing)}" if missing else f"a GELU or ReLU activation, not {fn!r}"))
+        return StreamShape(_get(cfg, "n_layer", "num_hidden_layers"), d, _get(cfg, "n_inner") or 4 * d, _get(cfg, "vocab_size"),
+                           _get(cfg, "n_positions"), "layernorm", act, bool(_get(cfg, "tie_word_embeddings", default=True)),
+                           True, True, True)
+    if model_type in ("llama", "mistral", "qwen2"):
+        act = _get(cfg, "hidden_act", default="silu")
+        missing = [k for k in ("vocab_size", "intermediate_size") if _get(cfg, k) is None]
+        if act != "silu" or missing:
+            raise GaugeError(f"gauge_dimension(convention='complete'): a {model_type} config needs "
+                             + (f"{' and '.join(missing)}" if missing else f"hidden_act='silu' (SwiGLU), not {act!r}"))
+        mlp_bias = bool(_get(cfg, "mlp_bias", default=False))
+        return StreamShape(_get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"),
+                           _get(cfg, "vocab_size"), 0, "rmsnorm", "swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)),
+                           False, mlp_bias, mlp_bias)
+    raise GaugeError(
+        f"gauge_dimension(convention='complete'): no residual-stream description for model_type={model_type!r} "
+        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and gpt2/llama/mistral/qwen2 "
+        "(models or configs); 'wang' counts the attention gauges of any model"
+    )
+
+
+def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int]:
+    """``convention="complete"`` without ``lrm_internal`` (module docstring)."""
+    counts: dict[str, int] = {}
+
+    def add(key: str, n: int) -> None:
+        if n:
+            counts[key] = counts.get(key, 0) + n
+
+    d, ln = st.d_model, st.norm == "layernorm"
+    mlp_inputs = 2 if st.activation == "swiglu" else 1
+    for s in shapes:
+        if s.qk_norm is None:
+            add("qk", s.h_kv * s.rope.qk_gauge_dim(s.d_k))
+        else:
+            for key, n in _qk_norm_counts(s, ignore_rope=False).items():
+                add(key, n)
+        add("vo", s.h_kv * s.d_v**2)
+        for key, n in s.bias_sectors().items():
+            add(key, n)
+        add("norm_gain", 2 * d)
+        if ln:
+            add("norm_bias", 2 * d if st.norm_bias else 0)
+            readers = [(s.h * s.d_k, s.qk_bias), (s.h_kv * s.d_k, s.k_bias), (s.h_kv * s.d_v, s.v_bias)]
+            readers += [(st.d_ff, st.mlp_in_bias)] * mlp_inputs
+            add("norm_meanfree", sum(rows for rows, biased in readers if biased or not st.norm_bias))
+            add("residual_ones", s.h * s.d_v + s.o_bias + st.d_ff + st.mlp_out_bias)
+        if st.activation in ("swiglu", "relu"):
+            add("mlp_scale", st.d_ff)
+    if ln:
+        add("residual_ones", st.positions + (0 if st.tied else st.vocab))
+    if st.positions:
+        if not st.tied:
+            add("embedding_shift", d - ln)  # with LayerNorm c ∝ 1 is already a residual_ones direction
+        elif ln and not st.norm_bias:
+            add("embedding_shift", 1)
+    if not st.tied:  # the final norm and its reader, the head
+        add("norm_gain", d)
+        if ln:
+            add("norm_bias", d if st.norm_bias else 0)
+            add("norm_meanfree", st.vocab if (st.head_bias or not st.norm_bias) else 0)
+        add("residual_rotation", (d - 1) * (d - 2) // 2 if ln else d * (d - 1) // 2)
+    return counts
+
+
 def gauge_dimension(
     model_or_config: Any, convention: str = "wang", *, per_symmetry: bool = False
 ) -> int | dict[str, int]:
-    """Count the gauge dimensions of a model or config.
+    """Count the symmetry dimensions of a model or config.
 
     Args:
-        model_or_config: an ``nn.Module`` or a config (see :func:`layer_shapes`).
-        convention: ``"wang"`` (paper 000, RoPE-reduced) or ``"van_nierop"`` (paper 003 Table 1).
-        per_symmetry: return ``{"qk": ..., "vo": ..., ["residual_rotation": ...], ["lrm_internal": ...]}``
-            instead of the total; QK-norm layers count under ``"qk_gain"`` (and ``"qk_layernorm"``,
-            ``"qk_head_scale"``) instead of ``"qk"`` (module docstring).
+        model_or_config: an ``nn.Module`` or a config (see :func:`layer_shapes`; ``"complete"`` also
+            :func:`stream_shape`).
+        convention: ``"wang"`` (paper 000, RoPE-reduced), ``"van_nierop"`` (paper 003 Table 1) or
+            ``"complete"`` (every exact symmetry gaugeopt knows; the measured number of flat
+            directions on generic weights).
+        per_symmetry: return ``{"qk": ..., "vo": ..., ...}`` per sector instead of the total; QK-norm
+            layers count under ``"qk_gain"`` (and ``"qk_layernorm"``, ``"qk_head_scale"``) instead of
+            ``"qk"`` (module docstring).
+
+    Raises:
+        GaugeError: an unknown convention, a config it cannot read, or ``"complete"`` for a model
+            whose residual stream it does not describe.
     """
     if convention not in CONVENTIONS:
         raise GaugeError(f"gauge_dimension: convention={convention!r} must be one of {CONVENTIONS}")
     shapes = layer_shapes(model_or_config)
+    lrm = _lrm_internal(model_or_config)
+    if convention == "complete":
+        counts = _complete_counts(shapes, stream_shape(model_or_config))
+        if lrm:
+            counts["lrm_internal"] = lrm
+        return counts if per_symmetry else sum(counts.values())
     plain = [s for s in shapes if s.qk_norm is None]
-    counts: dict[str, int] = {}
+    counts = {}
     if plain or len(plain) == len(shapes):
         if convention == "wang":
             counts["qk"] = sum(s.h_kv * s.rope.qk_gauge_dim(s.d_k) for s in plain)
@@ -209,7 +352,6 @@ def gauge_dimension(
     if convention == "van_nierop":
         d = shapes[0].d_model
         counts["residual_rotation"] = (d - 1) * (d - 2) // 2
-    lrm = _lrm_internal(model_or_config)
     if lrm:
         counts["lrm_internal"] = lrm
     return counts if per_symmetry else sum(counts.values())

@@ -1,5 +1,12 @@
 """Are two checkpoints the same point of the quotient by the attention gauge group?
 
+The group ``G`` here is the head gauges (docs/gauge_group.md) together with the bias sectors
+(:mod:`gaugeopt.structure.bias`): the key-bias shift on non-rotary channels and the value-bias
+trade against the output bias. Both are quotiented by moving the biases to their representative
+first (:func:`gaugeopt.tools.canonical.fold_bias_tensors`: ``b_K = 0`` on the non-rotary channels,
+``b_V = 0`` folded into ``b_O``), which the head gauges keep; everything below reads those folded
+tensors.
+
 **Complete invariants.** For one query head ``i`` of KV group ``j``, with augmented weights
 ``X_Q = [W_Q[i] | b_Q[i]]``, ``X_K = [W_K[j] | b_K[j]]``, ``X_V = [W_V[j] | b_V[j]]``, the
 gauge group ``G`` (docs/gauge_group.md) leaves invariant
@@ -27,7 +34,7 @@ plane, i.e. to lie in the RoPE commutant). So :func:`compare` decides ``G``-equi
 2. equal *gauge-inert* tensors: every parameter outside the attention projections, the
    effective output bias, and the effective weights ``diag(r)·W̄·diag(c)`` of every other
    :class:`~gaugeopt.structure.lrm.LRMLinear` (so LRM multipliers and their internal rescalings are
-   quotiented too);
+   quotiented too) — the output bias with the value bias folded in;
 3. per layer, a head matching that respects KV groups (optimal assignment on circuit
    distances, two levels under GQA) under which every head's circuits agree.
 
@@ -41,10 +48,9 @@ circuits and equal inert tensors compute the same function (to an error proporti
 ``tol``). ``False`` means "not in one ``G``-orbit at this tolerance"; it implies a different
 function only where ``G`` is the whole symmetry group, i.e. on the generic stratum of paper 000
 Thm. 2. It can be a false negative for functionally identical models that differ by a
-symmetry outside ``G``: MLP hidden-unit permutations, residual-stream rotations folded into
-norms, the key bias on non-rotary coordinates (it shifts all scores of a query equally and
-cancels in the softmax), and a value bias traded against the output bias
-(``b_V += δ``, ``b_O −= W_O δ``). Paper 001 claims complete discrimination from a bispectrum
+symmetry outside ``G``: MLP hidden-unit permutations and rescalings, norm gains traded against
+the layers that read them, residual-stream rotations folded into norms (the families
+:func:`gaugeopt.flat_directions` measures). Paper 001 claims complete discrimination from a bispectrum
 of canonicalised head features; that holds only if canonicalisation removes *all* continuous
 freedom, which its Definition 31 does not (it leaves ``O(d_k) × O(d_v)`` per head, paper 000
 Prop. 45). The circuits here are invariant under the whole ``G``, so no residual fix, sign
@@ -127,7 +133,7 @@ def _aug(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
 def circuit_factors(site: AttentionSite, t: dict | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Factor pairs ``(X (h, B, s, D₁), Y (h, B, s, D₂))`` whose products ``X_bᵀY_b`` are the
     complete per-query-head invariants (module docstring); the last pair is the OV circuit."""
-    t = effective_tensors(site) if t is None else t
+    t = effective_tensors(site, fold_biases=True) if t is None else t
     r, dk = site.rope.rotary_dim, site.d_k
     expand = site.per_query  # a KV head's rows for each of its query heads
     xq = _aug(t["wq"], t["bq"])  # (h, d_k, d+1)
@@ -239,9 +245,9 @@ def inert_tensors(model: nn.Module, sites: list[AttentionSite] | None = None) ->
     owned = {n for s in sites for n in s.parameter_names()}
     out: dict[str, torch.Tensor] = {}
     for s in sites:
-        _, bo = s.effective("o")
+        bo = effective_tensors(s, fold_biases=True)["bo"]
         if bo is not None:
-            out[s.o.bias.name] = bo.double()
+            out[s.o.bias.name] = bo
     lrm_params: set[str] = set()
     for name, m in model.named_modules():
         if isinstance(m, LRMLinear):
@@ -345,7 +351,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, tol: float = 1e-8) -> Equiva
     worst_inert = max(((_rel(inert_a[k], inert_b[k]), k) for k in inert_a), default=(0.0, ""))
     layers, margin = [], float("inf")
     for sa, sb in zip(sites_a, sites_b):
-        ta, tb = effective_tensors(sa), effective_tensors(sb)
+        ta, tb = effective_tensors(sa, fold_biases=True), effective_tensors(sb, fold_biases=True)
         pa, pb = circuit_factors(sa, ta), circuit_factors(sb, tb)
         dqk, dov, sqk, sov = _gram_sqdist(pa, pb)
         kv, q = match_heads(sa, sb, dqk / sqk**2 + dov / sov**2)
@@ -425,7 +431,7 @@ def spectral_fingerprint(model: nn.Module) -> SpectralFingerprint:
     inert = inert_tensors(model, sites)
     spectra = []
     for site in sites:
-        t = effective_tensors(site)
+        t = effective_tensors(site, fold_biases=True)
         expand = site.per_query
         _, rq = torch.linalg.qr(_aug(t["wq"], t["bq"]).mT)
         _, rk = torch.linalg.qr(expand(_aug(t["wk"], t["bk"])).mT)

@@ -271,7 +271,7 @@ HF_SPECS: dict[str, AttentionSpec] = {
         refuse=implementation_refusal),
     _path("bloom", "BloomAttention"): AttentionSpec(
         qkv="query_key_value", fused="per_head", o="dense", num_heads="num_heads", head_dim="head_dim", kind="hf_bloom",
-        fixed_head_order=ALIBI),
+        fixed_head_order=ALIBI, float32_steps="the softmax in float32 (BloomAttention)"),
     _path("bert", "BertAttention"): AttentionSpec(
         q="self.query", k="self.key", v="self.value", o="output.dense", num_heads="self.num_attention_heads",
         head_dim="self.attention_head_size", kind="hf_bert", refuse=_bert_refusal),
