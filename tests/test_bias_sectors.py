@@ -115,7 +115,8 @@ def _as_field(model, flat: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name, lrm", CASES, ids=IDS)
 def test_projector_removes_the_bias_sectors(name, lrm):
-    """GaugeProjector (auto) has the bias sectors: each generator (complex step of the finite action) is
+    """GaugeProjector("all") has the bias sectors ("auto" has the key-bias shift, not the value-bias trade):
+    each generator (complex step of the finite action) is
     vertical to 1e-9, alone and jointly with the overlapping head gauges; the joint projection equals least
     squares against every generator stacked; a direction off the sector (b_K on a rotated channel) is not."""
     import numpy as np
@@ -124,9 +125,11 @@ def test_projector_removes_the_bias_sectors(name, lrm):
 
     case = zoo.build(name, 2, lrm=lrm)
     model = case.model
-    proj = GaugeProjector(model, joint_tol=1e-14)
+    proj = GaugeProjector(model, "all", joint_tol=1e-14)
     kinds = sorted({k for s in gaugeopt.find_attention(model) for k in s.bias_kinds})
     assert set(kinds) <= set(proj.sectors)
+    auto = GaugeProjector(model).sectors
+    assert "value_bias" not in auto and ("key_bias" in auto) == ("key_bias" in kinds)
     worst = 1.0
     for kind in kinds:
         imgs = [img for _, img in H.generator_images(model, kind)]
@@ -171,8 +174,9 @@ def test_key_bias_sector_is_refused_under_full_rope():
 
 
 def test_gauge_projected_steps_have_no_bias_sector_part():
-    """The update GaugeProjected applies has no vertical part in the bias sectors (an unprojected AdamW
-    step has some); the function-changing part of the step is what remains."""
+    """The update GaugeProjected(sectors="all") applies has no vertical part in the bias sectors (an
+    unprojected AdamW step has some); the function-changing part of the step is what remains. The share
+    of the step in them is what "auto" gives up by leaving the value-bias trade out."""
     case = zoo.build("gpt", 3)
     model = case.model
     x = case.inputs
@@ -181,7 +185,7 @@ def test_gauge_projected_steps_have_no_bias_sector_part():
         m = case.copy()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
         if wrap:
-            opt = gaugeopt.GaugeProjected(opt, m)
+            opt = gaugeopt.GaugeProjected(opt, m, sectors="all")
         before = {n: p.detach().clone() for n, p in m.named_parameters()}
         _, loss = m(x, x)
         loss.backward()

@@ -102,7 +102,7 @@ def test_vertical_report_is_consistent():
     assert rep.total == pytest.approx(H.norm(dec.vertical) / H.norm(u), rel=1e-12)
     assert rep.total**2 + rep.horizontal**2 == pytest.approx(1.0, rel=1e-12)
     assert rep.sectors["qk"] ** 2 + rep.sectors["vo"] ** 2 == pytest.approx(rep.total**2, rel=1e-10)
-    full = vertical_report(model, u)  # with the bias sectors: more vertical part, still an exact projection
+    full = vertical_report(model, u, sectors="all")  # with the bias sectors: more vertical part, still exact
     assert set(full.sectors) == {"qk", "vo", "key_bias", "value_bias"} and full.total > rep.total
     assert full.total**2 + full.horizontal**2 == pytest.approx(1.0, rel=1e-12) and full.defect <= 1e-13
     assert rep.defect <= 1e-13
@@ -160,8 +160,8 @@ def test_fisher_rao_split_with_an_spd_metric_matches_weighted_least_squares():
     Q, _ = torch.linalg.qr(torch.randn(D, D, generator=g, dtype=torch.float64))
     M = Q @ torch.diag(torch.exp(torch.randn(D, generator=g, dtype=torch.float64))) @ Q.mT
     u = H.random_field(model, seed=6)
-    fr = fisher_rao_split(model, u, lambda v: M @ v)
-    sectors = GaugeProjector(model).sectors  # the head gauges and the value-bias trade
+    fr = fisher_rao_split(model, u, lambda v: M @ v, sectors="all")
+    sectors = GaugeProjector(model, "all").sectors  # the head gauges and the value-bias trade
     assert "value_bias" in sectors
     A = np.stack([H.flatten(model, img, names, shapes) for s in sectors for _, img in H.generator_images(model, s)], 1)
     L = np.linalg.cholesky(M.numpy())

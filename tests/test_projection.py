@@ -107,7 +107,7 @@ def test_joint_projection_matches_stacked_least_squares(rope, n_kv):
     """All five sectors of an LRM model together (they overlap through W̄ and the multipliers):
     the alternating projection equals least squares against all generators stacked."""
     model = _tiny_lrm(rope, n_kv)
-    proj = GaugeProjector(model, joint_tol=1e-14)
+    proj = GaugeProjector(model, "all", joint_tol=1e-14)
     # the bias sectors too (three overlapping families); full RoPE leaves no key-bias sector
     expected = tuple(s for s in PLAIN_SECTORS if not (s == "key_bias" and rope != "none"))
     assert proj.sectors == expected

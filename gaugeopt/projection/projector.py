@@ -58,9 +58,10 @@ tolerance, which characterises the exact joint projection (``info["joint_residua
 ``{qk, key_bias}`` has a closed form instead (the key bias is a coordinate subspace ``E``, and
 ``(I − P_E)`` of the ``qk`` sector is the ``qk`` sector at ``b̄_K = 0`` there:
 :meth:`GaugeProjector._qk_with_key_bias`), used whenever no coefficients are asked for. The
-``{vo, value_bias}`` group takes 10–25 CG iterations of its two sectors in float64, so with biases
-``"auto"`` costs several times the head gauges alone; ``sectors=("qk", "vo")`` leaves the bias
-sectors out. The diagonal multiplier gauges are redundant there:
+``{vo, value_bias}`` group takes 10–25 CG iterations of its two sectors in float64 — about nine
+times the head gauges on a GPT-2 layer, for about 3% of an AdamW update's norm — so ``"auto"``
+(every sector the model has) leaves ``value_bias`` out (:data:`OPT_IN`) and ``"all"`` includes it;
+``key_bias`` costs nothing extra and is in ``"auto"``. The diagonal multiplier gauges are redundant there:
 ``lrm_qk`` generators are ``qk`` generators (diagonal ``X``) plus ``lrm_internal`` row rescalings
 of the Q and K blocks (likewise ``lrm_vo``), so with ``qk`` (``vo``) and ``lrm_internal`` requested
 they are left out of the joint solve — same span, better conditioned (``lrm_qk`` and
@@ -95,9 +96,11 @@ Example:
     >>> from gaugeopt.projection.projector import GaugeProjector
     >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32, rope="split_half")).double()
     >>> u = {n: torch.randn_like(p) for n, p in model.named_parameters()}
-    >>> proj = GaugeProjector(model)
+    >>> proj = GaugeProjector(model, "all")
     >>> proj.sectors  # full RoPE: no key-bias sector; the value bias trades with the output bias
     ('qk', 'vo', 'value_bias')
+    >>> GaugeProjector(model).sectors  # "auto": every sector but the costly value-bias trade
+    ('qk', 'vo')
     >>> hor = proj.project(u)
     >>> float(gaugeopt.vertical_fraction(model, hor)) < 1e-12
     True
@@ -125,9 +128,13 @@ from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.projection.sylvester import default_cg_tol, default_rtol
 
-__all__ = ["SECTORS", "MODES", "check_mode", "GaugeProjector", "Decomposition", "horizontal"]
+__all__ = ["SECTORS", "OPT_IN", "MODES", "check_mode", "GaugeProjector", "Decomposition", "horizontal"]
 
 SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias")
+# Sectors "auto" leaves out and "all" includes: the value-bias trade couples V/O to the output bias,
+# and projecting {vo, value_bias} jointly costs ~10 CG iterations of the vo sector (~9x the head gauges
+# on a GPT-2 layer) for ~3% of an AdamW update's norm (tests/test_bias_sectors.py measures both).
+OPT_IN = ("value_bias",)
 MODES = ("exact", "approx", "paper000")
 
 
@@ -258,7 +265,8 @@ class GaugeProjector:
 
     Args:
         model: the model whose ``named_parameters()`` names the vector field's entries.
-        sectors: ``"auto"`` (every sector the model has, the bias sectors included) or a subset of
+        sectors: ``"auto"`` (every sector the model has but ``value_bias``, :data:`OPT_IN`), ``"all"``
+            (every one), or a subset of
             :data:`SECTORS`.
         mode: ``"exact"``, ``"approx"`` or ``"paper000"`` (see the module docstring).
         sites: attention sites (default :func:`gaugeopt.find_attention`); with ``sites`` given,
@@ -322,13 +330,15 @@ class GaugeProjector:
             "value_bias": BiasShiftSector("value_bias", self.sites),
         }
         available = tuple(k for k in SECTORS if impl[k].units())
-        if sectors == "auto":
+        if sectors == "all":
             chosen = available
+        elif sectors == "auto":
+            chosen = tuple(k for k in available if k not in OPT_IN)
         else:
             chosen = (sectors,) if isinstance(sectors, str) else tuple(sectors)
             bad = [s for s in chosen if s not in SECTORS]
             if bad:
-                raise GaugeError(f"GaugeProjector: unknown sectors {bad}; valid sectors are {SECTORS} or 'auto'")
+                raise GaugeError(f"GaugeProjector: unknown sectors {bad}; valid sectors are {SECTORS}, 'auto' or 'all'")
             missing = [s for s in chosen if s not in available]
             if missing:
                 raise GaugeError(
