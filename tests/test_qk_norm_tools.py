@@ -101,8 +101,9 @@ def test_closed_form_equals_least_squares():
 
 def test_sector_choice_and_refusals():
     case = zoo.build("gpt_qknorm", lrm=True)
-    proj = GaugeProjector(case.model)
+    proj = GaugeProjector(case.model, "all")
     assert proj.sectors == ("vo", "lrm_vo", "lrm_internal", "qk_gain", "value_bias")  # no key bias sector under QK-norm
+    assert GaugeProjector(case.model).sectors == ("vo", "lrm_vo", "lrm_internal", "qk_gain")  # "auto": no value_bias
     for sector in ("qk", "lrm_qk"):
         with pytest.raises(GaugeError, match="qk_gain"):
             GaugeProjector(case.model, sectors=(sector,))
