@@ -209,9 +209,9 @@ def test_count_equals_jacobian_nullity_of_one_layer():
     per_layer = gaugeopt.gauge_dimension(gpt)
     assert n == per_layer == 4 + 64 and gap > 1e4
 
-    from timm_helpers import import_timm
+    from model_libraries import require
 
-    import_timm()
+    require("timm")
     from timm.layers import Attention, LayerNorm
 
     d, h, d_k = 16, 2, 8

@@ -118,9 +118,9 @@ def _hf_qk_norm(kind: str) -> nn.Module:
 
 
 def _timm_vit() -> nn.Module:
-    from timm_helpers import import_timm
+    from model_libraries import require
 
-    import_timm()
+    require("timm")
     from timm.models.vision_transformer import VisionTransformer
 
     return VisionTransformer(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=4, num_classes=VOCAB,
