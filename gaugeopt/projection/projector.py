@@ -484,7 +484,9 @@ class GaugeProjector:
             ctx.mode = "exact"
         info = ctx.info
         info.update(joint_iterations=0, joint_residual=0.0)
-        vert: dict[str, torch.Tensor] = {}
+        # one output for every component: they touch disjoint entries (that is what makes them
+        # components), so each adds its part in place — no per-component buffers to zero and sum
+        vert = {n: torch.zeros_like(work[n]) for n in names}
         record = None
         if unit_norms is not None:
             def record(sector, unit, coef, vsq, usq):
@@ -492,13 +494,14 @@ class GaugeProjector:
         for families in components:  # mutually orthogonal: their projections add up
             if len(families) == 1:
                 family = [(self._impl[s], self._impl[s].prepare(ctx)) for s in families[0]]
-                part = self._vertical_family(ctx, family, work, None if joint else record, coeffs)
-            elif families == [["qk"], ["key_bias"]] and coeffs is None:
+                self._vertical_family(ctx, family, work, None if joint else record, coeffs, out=vert)
+                continue
+            if families == [["qk"], ["key_bias"]] and coeffs is None:
                 part = self._qk_with_key_bias(ctx, work)
             else:
                 part = self._joint_component(ctx, families, work, coeffs, info)
             for n, v in part.items():
-                vert[n] = vert[n] + v if n in vert else v
+                vert[n].add_(v)
         if hasattr(ctx, "_left_sq"):  # approx: ‖error‖ estimate over ‖u‖ (tensors, read lazily)
             usq = sum(torch.linalg.vector_norm(work[n]).double().square() for n in names)
             info["approx_left_estimate"] = torch.where(usq > 0, (ctx._left_sq.double() / usq).sqrt(), usq)
