@@ -33,6 +33,8 @@ Example (single process: the helpers are the identity on plain tensors):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gaugeopt.errors import GaugeError
@@ -40,7 +42,9 @@ from gaugeopt.errors import GaugeError
 __all__ = ["is_dtensor", "full", "local_view", "local_factor"]
 
 
+@functools.lru_cache(maxsize=None)
 def _dtensor_cls():
+    """``DTensor``, imported once (this is asked for every tensor a gauge fix touches, every fix)."""
     try:
         from torch.distributed.tensor import DTensor
     except Exception:  # torch built without distributed support
