@@ -176,6 +176,8 @@ def _fsdp_worker(rank: int, port: int) -> None:
             step(batches[2])
             for n, p in sharded.named_parameters():
                 _assert_close_full(p.detach(), ref_params[n].detach(), f"{name}: {n} after the next step", tol=1e-10)
+        del ref, sharded, opts, step, p, ref_params, st_ref, st_sh  # the sharded tensors hold the group (see DDP)
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
