@@ -102,21 +102,32 @@ def balance_factors(
     s_a = slot_rms(ms_a, slot, n_slots, onehot)  # (L, G, S)
     s_b = slot_rms(ms_b, slot, n_slots, onehot)
     g = ((s_a + eps) / (s_b + eps)).sqrt()
+    inv_g = 1.0 / g
     product = s_a * s_b
-    m = torch.ones_like(g)
-    if product_decay is not None:
-        m = m * (1.0 - product_decay) ** 0.5
-    if product_max is not None:
-        m = m * (product_max / (product * m * m).clamp_min(torch.finfo(product.dtype).tiny)).clamp(max=1.0).sqrt()
-    new_a, new_b = m * s_a / g, m * s_b * g
-    idx = slot if slot.device == g.device else slot.to(g.device)
+    if product_decay is None and product_max is None:  # m = 1: no multiplications by it
+        m = None
+        new_a, new_b, factor_a = s_a * inv_g, s_b * g, inv_g
+    else:
+        m = torch.full_like(g, 1.0 if product_decay is None else (1.0 - product_decay) ** 0.5)
+        if product_max is not None:
+            m = m * (product_max / (product * m * m).clamp_min(torch.finfo(product.dtype).tiny)).clamp(max=1.0).sqrt()
+        new_a, new_b, factor_a = m * s_a * inv_g, m * s_b * g, m * inv_g
+    if n_slots == 1:  # one slot per group: a broadcast view instead of a gather
+        def per_channel(t):
+            return t.expand(*t.shape[:-1], slot.shape[0])
+    else:
+        idx = slot if slot.device == g.device else slot.to(g.device)
+
+        def per_channel(t):
+            return t[..., idx]
+    gauge_a = per_channel(inv_g)
     return Balance(
-        gauge_a=(1.0 / g)[..., idx],
-        gauge_b=g[..., idx],
-        magnitude=m[..., idx],
+        gauge_a=gauge_a,
+        gauge_b=per_channel(g),
+        magnitude=torch.ones_like(gauge_a) if m is None else per_channel(m),
         drift_before=log_ratio(s_a, s_b, eps),
         drift_after=log_ratio(new_a, new_b, eps),
         product_before=product,
         product_after=new_a * new_b,
-        changed=changed_groups(m / g),
+        changed=changed_groups(factor_a),
     )
