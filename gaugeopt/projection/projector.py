@@ -601,6 +601,9 @@ class GaugeProjector:
         tol = default_rtol(self._dtype_now) if self.joint_tol is None else self.joint_tol
         names = list(u)
         *firsts, last = families
+        # P(fam, x, out) zeroes only the tensors the family writes: every buffer below holds the images of
+        # one family only (r_i, Sp_i, delta_i, a_i, p_i of family i; tmp of the last), so it is zero elsewhere
+        support = {id(fam): list(dict.fromkeys(n for sec, _ in fam for n in _names_of(sec))) for fam in families}
         if len({t.device for t in u.values()}) == 1:
             # one flat buffer: the CG vector operations are single in-place kernels, the sectors see views
             sizes, shapes = [u[n].numel() for n in names], [u[n].shape for n in names]
@@ -614,8 +617,11 @@ class GaugeProjector:
                 return torch.zeros_like(U)
 
             def P(fam, x, out, c=None):
-                """``out ← `` the family's vertical part of ``x``."""
-                self._vertical_family(ctx, fam, views(x), coeffs=c, out=views(out.zero_()))
+                """``out ← `` the family's vertical part of ``x`` (``out`` zero outside the family's tensors)."""
+                o = views(out)
+                for n in support[id(fam)]:
+                    o[n].zero_()
+                self._vertical_family(ctx, fam, views(x), coeffs=c, out=o)
                 return out
 
             def axpy_(a, x, y):  # y += a·x
@@ -639,7 +645,9 @@ class GaugeProjector:
                 return {n: torch.zeros_like(u[n]) for n in names}
 
             def P(fam, x, out, c=None):
-                self._vertical_family(ctx, fam, x, coeffs=c, out=zero_(out))
+                for n in support[id(fam)]:
+                    out[n].zero_()
+                self._vertical_family(ctx, fam, x, coeffs=c, out=out)
                 return out
 
             def axpy_(a, x, y):
@@ -722,8 +730,8 @@ class GaugeProjector:
                 f"‖u‖ still vertical (joint_tol={tol:.1e}); the sector families are nearly parallel here, raise joint_maxiter"
             )
         vert = new()
-        for fam, x in zip(firsts, a):  # coefficients in Lie-algebra coordinates; x ∈ V_i up to rounding
-            axpy_(1.0, P(fam, x, tmp, coeffs), vert)
+        for fam, x, buf in zip(firsts, a, Sp):  # coefficients in Lie-algebra coordinates; x ∈ V_i up to rounding
+            axpy_(1.0, P(fam, x, buf, coeffs), vert)
         copy_(w, u)
         axpy_(-1.0, vert, w)
         axpy_(1.0, P(last, w, tmp, coeffs), vert)
