@@ -486,7 +486,7 @@ class GaugeProjector:
         info.update(joint_iterations=0, joint_residual=0.0)
         # one output for every component: they touch disjoint entries (that is what makes them
         # components), so each adds its part in place — no per-component buffers to zero and sum
-        vert = {n: torch.zeros_like(work[n]) for n in names}
+        vert: dict[str, torch.Tensor] = {}
         record = None
         if unit_norms is not None:
             def record(sector, unit, coef, vsq, usq):
@@ -494,14 +494,20 @@ class GaugeProjector:
         for families in components:  # mutually orthogonal: their projections add up
             if len(families) == 1:
                 family = [(self._impl[s], self._impl[s].prepare(ctx)) for s in families[0]]
+                for n in (n for sec, _ in family for n in _names_of(sec)):
+                    if n not in vert:
+                        vert[n] = torch.zeros_like(work[n])
                 self._vertical_family(ctx, family, work, None if joint else record, coeffs, out=vert)
                 continue
             if families == [["qk"], ["key_bias"]] and coeffs is None:
                 part = self._qk_with_key_bias(ctx, work)
             else:
                 part = self._joint_component(ctx, families, work, coeffs, info)
-            for n, v in part.items():
-                vert[n].add_(v)
+            for n, v in part.items():  # a component's own result is kept, not copied into a zeroed buffer
+                if n in vert:
+                    vert[n].add_(v)
+                else:
+                    vert[n] = v
         if hasattr(ctx, "_left_sq"):  # approx: ‖error‖ estimate over ‖u‖ (tensors, read lazily)
             usq = sum(torch.linalg.vector_norm(work[n]).double().square() for n in names)
             info["approx_left_estimate"] = torch.where(usq > 0, (ctx._left_sq.double() / usq).sqrt(), usq)
