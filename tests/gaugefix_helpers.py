@@ -101,3 +101,15 @@ def touched_names(model, kinds=("qk",), mode: str | None = None) -> set[str]:
                     if proj != "o" and p.bias is not None:
                         names.add(p.bias.name)
     return names
+
+
+def snapshot_params(model) -> dict[str, torch.Tensor]:
+    """Copies of every parameter, by name (a point of a training run, for the transport references)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@torch.no_grad()
+def load_params(model, values: dict[str, torch.Tensor]) -> None:
+    """Write ``values`` (from :func:`snapshot_params`, possibly transformed) into the model in place."""
+    for n, p in model.named_parameters():
+        p.copy_(values[n])

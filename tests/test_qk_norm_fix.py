@@ -18,6 +18,7 @@ from gaugeopt.fix.plan import plan_pairs
 from gaugeopt.fix.triton_backend import unsupported_reason
 from gaugeopt.structure.actions import scale_qk_gains
 from gaugeopt.structure.rope import plane_index
+from gaugefix_helpers import load_params, snapshot_params
 from qk_norm_helpers import changes, exact
 
 STEPS = 3
@@ -135,16 +136,6 @@ def _step(case, model, opt, batch):
     opt.step()
 
 
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-@torch.no_grad()
-def _load(model, values):
-    for n, p in model.named_parameters():
-        p.copy_(values[n])
-
-
 def _offsets(sites) -> dict[str, float]:
     return {ref.name: s.qk_norm.gain_offset for s in sites for role, ref in s.qk_norm.refs() if role.endswith("gain")}
 
@@ -164,24 +155,24 @@ def _run(name, make_opt, transport=True):
         opt = make_opt(model.parameters())
         snaps = []
         for t in range(STEPS):
-            snaps.append(_params(model))
+            snaps.append(snapshot_params(model))
             _step(case, model, opt, batches[t])
-        unfixed = _params(model)
+        unfixed = snapshot_params(model)
         report = gaugeopt.gauge_fix(None, opt, sites=sites, vo=True, transport_state=transport)
-        fixed = _params(model)
+        fixed = snapshot_params(model)
         o = {n: offsets.get(n, 0.0) for n in fixed}
         scale = {n: (fixed[n] + o[n]) / (unfixed[n] + o[n]) for n in fixed}
         assert sum(int((s != 1).any()) for s in scale.values()) >= 4
         _step(case, model, opt, batches[STEPS])
-        result = _params(model)
+        result = snapshot_params(model)
         ref = copy.deepcopy(initial)
         ref_opt = make_opt(ref.parameters())
         for t in range(STEPS):
-            _load(ref, {n: (snaps[t][n] + o[n]) * scale[n] - o[n] for n in scale})
+            load_params(ref, {n: (snaps[t][n] + o[n]) * scale[n] - o[n] for n in scale})
             _step(case, ref, ref_opt, batches[t])
-        _load(ref, fixed)
+        load_params(ref, fixed)
         _step(case, ref, ref_opt, batches[STEPS])
-    expected = _params(ref)
+    expected = snapshot_params(ref)
     # A LayerNorm's key bias is invisible (∂L/∂β_k ≡ 0: it shifts every score of a query alike), so its
     # gradient is rounding noise that Adam normalises into O(lr) steps; the two runs agree there only
     # to the noise level, whatever the transport (as for the key bias of plain attention).

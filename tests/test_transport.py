@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import gaugeopt
 import zoo
-from gaugefix_helpers import add_drift
+from gaugefix_helpers import add_drift, load_params, snapshot_params
 from gaugeopt import GaugeError
 from gaugeopt.fix import gauge_fix
 from gaugeopt.fix.transport import (
@@ -51,16 +51,6 @@ def _step(name, model, opt, batch):
     opt.step()
 
 
-def _params(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-@torch.no_grad()
-def _load(model, values):
-    for n, p in model.named_parameters():
-        p.copy_(values[n])
-
-
 def _fixed_then_step(name, lrm, make_opt, **fix_kwargs):
     """Train STEPS steps, gauge-fix (Q/K and V/O), take one more step. Returns the pieces the
     oracle needs: the initial model, the pre-step snapshots, the observed factors, the result."""
@@ -72,15 +62,15 @@ def _fixed_then_step(name, lrm, make_opt, **fix_kwargs):
     opt = make_opt(model.parameters())
     snapshots = []
     for t in range(STEPS):
-        snapshots.append(_params(model))
+        snapshots.append(snapshot_params(model))
         _step(name, model, opt, batches[t])
-    unfixed = _params(model)
+    unfixed = snapshot_params(model)
     report = gauge_fix(model, opt, vo=True, **fix_kwargs)
-    fixed = _params(model)
+    fixed = snapshot_params(model)
     scale = {n: fixed[n] / unfixed[n] for n in fixed}  # the observed diagonal action s (1 where untouched)
     assert sum(int((s != 1).any()) for s in scale.values()) >= 4
     _step(name, model, opt, batches[STEPS])
-    return initial, batches, snapshots, scale, fixed, _params(model), report
+    return initial, batches, snapshots, scale, fixed, snapshot_params(model), report
 
 
 def _oracle(name, initial, make_opt, batches, snapshots, scale, fixed):
@@ -90,11 +80,11 @@ def _oracle(name, initial, make_opt, batches, snapshots, scale, fixed):
     ref = copy.deepcopy(initial)
     opt = make_opt(ref.parameters())
     for t in range(STEPS):
-        _load(ref, {n: scale[n] * snapshots[t][n] for n in scale})
+        load_params(ref, {n: scale[n] * snapshots[t][n] for n in scale})
         _step(name, ref, opt, batches[t])
-    _load(ref, fixed)
+    load_params(ref, fixed)
     _step(name, ref, opt, batches[STEPS])
-    return _params(ref)
+    return snapshot_params(ref)
 
 
 def _max_rel(a, b, skip=None):
@@ -202,13 +192,13 @@ def _trained(make_opt):
 
 def test_unknown_optimizer_error_names_options_and_writes_nothing():
     model, opt = _trained(Sign)
-    before = _params(model)
+    before = snapshot_params(model)
     with pytest.raises(GaugeError) as err:
         gauge_fix(model, opt)
     msg = str(err.value)
     for fragment in ("Sign", "unknown_state='reset'", "'leave'", "transport_state=False", "register_state_rule"):
         assert fragment in msg
-    after = _params(model)
+    after = snapshot_params(model)
     assert all(torch.equal(before[n], after[n]) for n in before)  # refused before the first write
 
 
