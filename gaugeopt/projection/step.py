@@ -33,9 +33,14 @@ __all__ = ["snapshot", "remove_vertical_update_", "remove_vertical_grad_", "squa
 def squared_norms(vertical: Mapping[str, torch.Tensor], field: Mapping[str, torch.Tensor | None]):
     """``(‖Π_vert u‖², ‖u‖²)`` as float64 tensors (``field`` entries may be ``None``: zero)."""
     zero = torch.zeros((), dtype=torch.float64)
-    tot = sum((t.detach().double().square().sum() for t in field.values() if t is not None), zero)
-    v = sum((t.detach().double().square().sum() for t in vertical.values()), zero)
+    tot = sum((_sq(t) for t in field.values() if t is not None), zero)
+    v = sum((_sq(t) for t in vertical.values()), zero)
     return v, tot
+
+
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    """``‖t‖²`` accumulated in float64 without a float64 copy of ``t`` (this runs every projected step)."""
+    return torch.linalg.vector_norm(t.detach(), dtype=torch.float64).square()
 
 
 def vertical_fraction_of(norms) -> float:
