@@ -61,7 +61,7 @@ __all__ = [
 
 def _sq(tensors: Mapping[str, torch.Tensor | None], names=None) -> float:
     keys = tensors.keys() if names is None else [n for n in names if n in tensors]
-    return sum(float(tensors[n].detach().double().square().sum()) for n in keys if tensors[n] is not None)
+    return float(squared_norms({}, {n: tensors[n] for n in keys})[1])
 
 
 def _projector(model, projector, sectors, mode, kwargs) -> GaugeProjector:
@@ -93,10 +93,11 @@ def vertical_fraction(
     """
     proj = _projector(model, projector, sectors, "exact", projector_kwargs)
     given, _ = proj._as_dict(tensors)  # validates names and shapes, also of an all-zero field
-    norms = squared_norms({}, given)
-    if float(norms[1]) == 0:
+    _, total_sq = squared_norms({}, given)
+    if float(total_sq) == 0:
         return 0.0
-    return vertical_fraction_of(squared_norms(proj.decompose(given, at=at).vertical, given))
+    vertical_sq, _ = squared_norms(proj.decompose(given, at=at).vertical, {})
+    return vertical_fraction_of((vertical_sq, total_sq))
 
 
 @dataclass
