@@ -51,7 +51,7 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.fix.plan import PairPlan, check_fix_options, plan_pairs
+from gaugeopt.fix.plan import check_fix_options, plan_pairs, plan_parameters
 from gaugeopt.fix.report import GaugeFixReport, PairRecord
 from gaugeopt.fix.torch_backend import StateMap, TorchFix
 from gaugeopt.fix.transport import classify_state, transport_entries, unwrap_optimizer
@@ -61,16 +61,6 @@ from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["GaugeFixer", "gauge_fix", "check_optimizer_owns"]
-
-
-def _parameters(plans: Sequence[PairPlan]) -> dict[int, tuple[str, torch.Tensor]]:
-    """``id → (name, parameter)`` of every tensor the plans rescale, each once, in plan order."""
-    out: dict[int, tuple[str, torch.Tensor]] = {}
-    for plan in plans:
-        for _, members in plan.sides():
-            for m in members:
-                out.setdefault(id(m.ref.param), (m.ref.name, m.ref.param))
-    return out
 
 
 def check_optimizer_owns(params: dict[int, tuple[str, torch.Tensor]], optimizer, what: str) -> None:
@@ -135,7 +125,7 @@ class GaugeFixer:
         self.sites = find_attention(model) if sites is None else list(sites)
         self.plans = plan_pairs(self.sites, kinds=("qk", "vo") if vo else ("qk",), granularity=granularity,
                                 vo_granularity=vo_granularity, mode=mode)
-        self._params = _parameters(self.plans)
+        self._params = plan_parameters(self.plans)
         self.optimizer = optimizer if transport_state else None
         if self.optimizer is not None:
             check_optimizer_owns(self._params, self.optimizer, "gauge_fix")

@@ -60,6 +60,7 @@ __all__ = [
     "plan_pairs",
     "check_choice",
     "check_fix_options",
+    "plan_parameters",
 ]
 
 GRANULARITIES = ("auto", "head", "channel", "plane")
@@ -237,3 +238,13 @@ def plan_pairs(
             gran, slot, n_slots = _slots(pair, granularity if kind == "qk" else vo_granularity)
             plans.append(PairPlan(pair, m, gran, pair.a.members(m), pair.b.members(m), slot, n_slots))
     return plans
+
+
+def plan_parameters(plans: Sequence[PairPlan]) -> dict[int, tuple[str, torch.Tensor]]:
+    """``id → (name, parameter)`` of every tensor the plans rescale, each once, in plan order."""
+    out: dict[int, tuple[str, torch.Tensor]] = {}
+    for plan in plans:
+        for _, members in plan.sides():
+            for m in members:
+                out.setdefault(id(m.ref.param), (m.ref.name, m.ref.param))
+    return out

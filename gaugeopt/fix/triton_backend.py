@@ -14,21 +14,10 @@ from typing import Sequence
 import torch
 
 from gaugeopt.distributed import is_dtensor, local_view
-from gaugeopt.fix.plan import PairPlan
+from gaugeopt.fix.plan import PairPlan, plan_parameters
 from gaugeopt.fix.torch_backend import PairNumbers, StateMap
 
 __all__ = ["TritonFix", "unsupported_reason", "storage_fingerprint"]
-
-
-def _params(plans: Sequence[PairPlan]):
-    seen = set()
-    for plan in plans:
-        for _, members in plan.sides():
-            for m in members:
-                p = m.ref.param
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield m.ref.name, p
 
 
 def unsupported_reason(plans: Sequence[PairPlan], state: StateMap) -> str | None:
@@ -38,7 +27,7 @@ def unsupported_reason(plans: Sequence[PairPlan], state: StateMap) -> str | None
     if not plans:
         return "no plans (the model has no attention site to fix)"
     devices = set()
-    for name, p in _params(plans):
+    for name, p in plan_parameters(plans).values():
         if is_dtensor(p):
             return f"{name} is a DTensor (FSDP2): the fused kernel edits local storage only"
         if p.dtype not in SUPPORTED_DTYPES:
@@ -71,7 +60,7 @@ def unsupported_reason(plans: Sequence[PairPlan], state: StateMap) -> str | None
 def storage_fingerprint(plans: Sequence[PairPlan], state: StateMap) -> tuple:
     """What packed tables depend on: every parameter's and transported state tensor's storage."""
     fp = []
-    for _, p in _params(plans):
+    for _, p in plan_parameters(plans).values():
         fp.append(local_view(p).data_ptr())
         fp.extend(local_view(t).data_ptr() for t, _ in state.get(id(p), ()))
         fp.append(-1)

@@ -243,7 +243,7 @@ def stream_shape(model_or_config: Any) -> StreamShape:
         act = {"gelu": "gelu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}.get(fn)
         missing = [k for k in ("vocab_size", "n_positions") if _get(cfg, k) is None]
         if act is None or missing:
-            raise GaugeError(f"gauge_dimension(convention='complete'): a gpt2 config needs "
+            raise GaugeError("gauge_dimension(convention='complete'): a gpt2 config needs "
                              + (f"{' and '.join(missing)}" if missing else f"a GELU or ReLU activation, not {fn!r}"))
         return StreamShape(_get(cfg, "n_layer", "num_hidden_layers"), d, _get(cfg, "n_inner") or 4 * d, _get(cfg, "vocab_size"),
                            _get(cfg, "n_positions"), "layernorm", act, bool(_get(cfg, "tie_word_embeddings", default=True)),
