@@ -156,18 +156,19 @@ class GaugeMonitor(_StepCounter):
         self._snapshot: dict[str, torch.Tensor] | None = None
         self._projector = None
 
-    def _params(self) -> dict[str, torch.Tensor]:
-        """The parameters an update is measured on: every parameter of a gauge sector."""
+    def _projector_for_updates(self):
+        """The projector an update is measured with (every gauge sector), built once."""
         from gaugeopt.projection.projector import GaugeProjector
 
         if self._projector is None:
             self._projector = GaugeProjector(self._module, "auto", "exact", sites=self._given_sites)
-        named = dict(self._module.named_parameters())
-        return {n: named[n] for n in self._projector.param_names()}
+        return self._projector
 
     def _pre_step(self, optimizer, args, kwargs) -> None:
         if self.measure_vertical and self.should_run(self.optimizer_steps + 1):
-            self._snapshot = {n: p.detach().clone() for n, p in self._params().items()}
+            from gaugeopt.projection.step import snapshot
+
+            self._snapshot = snapshot(self._projector_for_updates(), self._module)
 
     def _act(self, optimizer) -> dict[str, float]:
         tables = drift_table(None, self.sites, mode=self.mode)
@@ -178,7 +179,8 @@ class GaugeMonitor(_StepCounter):
         if self._snapshot is not None:
             from gaugeopt.projection.diagnostics import vertical_fraction
 
-            update = {n: p.detach() - self._snapshot[n] for n, p in self._params().items()}
+            named = dict(self._module.named_parameters())
+            update = {n: named[n].detach() - before for n, before in self._snapshot.items()}
             out[f"{self.prefix}vertical_fraction"] = float(
                 vertical_fraction(self._module, update, projector=self._projector, at=self._snapshot)
             )
