@@ -152,16 +152,13 @@ class GaugeFixCallback(_TrainerSide, FixSteps):
         prefix: str = "gauge/",
         certify: bool = True,
     ) -> None:
-        FixSteps.__init__(
-            self, every, granularity, transport_state=transport_state, vo=vo, vo_granularity=vo_granularity, mode=mode,
-            unknown_state=unknown_state, product_decay=product_decay, product_max=product_max,
-            log_per_layer=log_per_layer, prefix=prefix, certify=certify,
-        )
-        self._args = _json_args(type(self).__name__, dict(
+        args = dict(
             every=every, granularity=granularity, transport_state=transport_state, vo=vo,
             vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state, product_decay=product_decay,
             product_max=product_max, log_per_layer=log_per_layer, prefix=prefix, certify=certify,
-        ))
+        )
+        FixSteps.__init__(self, **args)
+        self._args = _json_args(type(self).__name__, args)
 
 
 class GaugeProjectionCallback(_TrainerSide, ProjectSteps):
@@ -192,10 +189,7 @@ class GaugeProjectionCallback(_TrainerSide, ProjectSteps):
         certify: bool = True,
         **projector_kwargs: Any,
     ) -> None:
-        ProjectSteps.__init__(self, mode, target, sectors=sectors, log_every=log_every, prefix=prefix, certify=certify,
-                              **projector_kwargs)
-        sectors = sectors if isinstance(sectors, str) else list(sectors)
-        self._args = _json_args(type(self).__name__, dict(
-            mode=mode, target=target, sectors=sectors, log_every=log_every, prefix=prefix, certify=certify,
-            **projector_kwargs,
-        ))
+        args = dict(mode=mode, target=target, sectors=sectors if isinstance(sectors, str) else list(sectors),
+                    log_every=log_every, prefix=prefix, certify=certify, **projector_kwargs)
+        ProjectSteps.__init__(self, **args)
+        self._args = _json_args(type(self).__name__, args)
