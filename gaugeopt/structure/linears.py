@@ -72,6 +72,13 @@ def linear_like(module: nn.Module, accept: Sequence[type | str] = ()) -> tuple[b
         return True, module.nf, module.weight.shape[0]
     if isinstance(module, nn.Linear) and _declared(module, accept):
         return False, module.weight.shape[0], module.weight.shape[1]
+    parametrized = getattr(module, "parametrizations", None)
+    if isinstance(parametrized, nn.ModuleDict) and len(parametrized):
+        raise GaugeError(
+            f"{', '.join(parametrized.keys())} of this {type(module).__qualname__} is parametrized "
+            "(torch.nn.utils.parametrize): the forward computes the tensor from its parametrization, so a gauge action "
+            "cannot edit it; remove the parametrization (parametrize.remove_parametrizations(module, name)) first"
+        )
     raise GaugeError(
         f"expected nn.Linear, transformers Conv1D or gaugeopt LRMLinear, got {type(module).__qualname__}; "
         "a wrapped projection (LoRA, quantised, ...) changes the function the gauge acts on"
