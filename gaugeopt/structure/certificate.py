@@ -153,12 +153,24 @@ class CertificateReport:
 # ---------------------------------------------------------------------- capture
 @dataclass
 class Call:
-    """One recorded call of an attention module: its arguments (snapshots) and output."""
+    """One recorded call of an attention module: its arguments (snapshots), output, mode, and the
+    autocast dtype it ran under (``None`` without autocast)."""
 
     args: tuple
     kwargs: dict
     output: torch.Tensor | None
     training: bool
+    autocast: torch.dtype | None = None
+
+
+def _autocast_dtype(args: Any) -> torch.dtype | None:
+    """The autocast dtype active for the device of the first tensor in ``args`` (``None`` if off)."""
+    t = _first_tensor(args)
+    device = t.device.type if t is not None else "cpu"
+    try:
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+    except (RuntimeError, TypeError):  # a device type without autocast
+        return None
 
 
 def _is_cache(obj: Any) -> bool:
@@ -200,6 +212,13 @@ def _first_tensor(out: Any) -> torch.Tensor | None:
     return None
 
 
+def _mark(hook):
+    """The recorder's hooks only read: the static checks let them pass, proofs do not count them."""
+    hook._gaugeopt_read_only = True
+    hook._gaugeopt_recorder = True
+    return hook
+
+
 class CallRecorder:
     """Records the first call of each site's module (a context manager, or :meth:`close`).
 
@@ -217,25 +236,31 @@ class CallRecorder:
 
     def __init__(self, sites: Sequence[AttentionSite]) -> None:
         self.calls: dict[str, Call] = {}
+        self.names = frozenset(s.name for s in sites)
         self._memo: dict = {}
         self._handles = []
         for site in sites:
-            self._handles.append(site.module.register_forward_pre_hook(self._pre(site.name), with_kwargs=True))
-            self._handles.append(site.module.register_forward_hook(self._post(site.name), with_kwargs=True))
+            self._handles.append(site.module.register_forward_pre_hook(self._pre(site), with_kwargs=True))
+            self._handles.append(site.module.register_forward_hook(self._post(site), with_kwargs=True))
 
-    def _pre(self, name: str):
+    def _pre(self, site: AttentionSite):
+        name, owner = site.name, site.module
+
         def hook(module, args, kwargs):
-            if name not in self.calls:
-                self.calls[name] = Call(_snapshot(args, self._memo), _snapshot(kwargs, self._memo), None, module.training)
-        return hook
+            if module is owner and name not in self.calls:  # not a copy of the module made meanwhile
+                self.calls[name] = Call(_snapshot(args, self._memo), _snapshot(kwargs, self._memo), None, module.training,
+                                        _autocast_dtype(args))
+        return _mark(hook)
 
-    def _post(self, name: str):
+    def _post(self, site: AttentionSite):
+        name, owner = site.name, site.module
+
         def hook(module, args, kwargs, output):
             call = self.calls.get(name)
-            if call is not None and call.output is None:
+            if module is owner and call is not None and call.output is None:
                 out = _first_tensor(output)
                 call.output = None if out is None else out.detach().clone()
-        return hook
+        return _mark(hook)
 
     @property
     def complete(self) -> bool:
@@ -385,6 +410,28 @@ def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
     raise GaugeError(f"certify: unknown sector {sector!r}")
 
 
+def _float64_copy(module: nn.Module) -> nn.Module:
+    """A float64 copy of ``module`` in eval mode to rerun alone: sharded (DTensor) parameters become
+    full-shape local tensors — their values are replaced by random ones anyway, so no collective is
+    needed —, and hooks that only move shards or record calls (FSDP2's, gaugeopt's own) are dropped;
+    a user's hooks stay, so the proof covers them."""
+    from gaugeopt.structure.static_checks import is_infrastructure_hook
+
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        if type(p).__name__ == "DTensor":
+            memo[id(p)] = nn.Parameter(torch.zeros(tuple(p.shape), dtype=torch.float64), requires_grad=p.requires_grad)
+    out = copy.deepcopy(module, memo)
+    for m in out.modules():
+        for attr in ("_forward_pre_hooks", "_forward_hooks"):
+            d = getattr(m, attr)
+            for key in [k for k, h in d.items() if getattr(h, "_gaugeopt_recorder", False) or is_infrastructure_hook(h)]:
+                del d[key]
+                getattr(m, attr + "_with_kwargs", {}).pop(key, None)
+                getattr(m, "_forward_hooks_always_called", {}).pop(key, None)
+    return out.double().eval()
+
+
 def _run(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     out = _first_tensor(module(*args, **kwargs))
     if out is None:
@@ -394,20 +441,18 @@ def _run(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
 
 def certify_site(site: AttentionSite, call: Call, *, seed: int = 0) -> LayerCertificate:
     """Certify one record on one recorded call (see the module docstring); raises :class:`GaugeError`."""
-    params = list(site.module.parameters())
-    if any(type(p).__name__ == "DTensor" for p in params):
-        raise GaugeError(f"certify: {site.name} has sharded (DTensor) parameters; certify the model before sharding it")
+    sharded = any(type(p).__name__ == "DTensor" for p in site.module.parameters())
     g = torch.Generator().manual_seed(seed)
-    base = copy.deepcopy(site.module).double().eval()
+    base = _float64_copy(site.module)
     args, kwargs = _to_float64(call.args), _to_float64(call.kwargs)
     cert = LayerCertificate(site.name, site.kind, float32_steps=site.float32_steps)
-    if call.output is not None and not call.training:  # the rerun must be the call it claims to be
+    if call.output is not None and not call.training and not sharded:  # the rerun must be the call it claims to be
         cert.rerun_change = relative_change(_run(base, args, kwargs), call.output.double())
-        limit = _RERUN_TOL.get(call.output.dtype, 5e-2)
+        limit = _RERUN_TOL.get(call.autocast or call.output.dtype, 5e-2)  # bf16/fp16 autocast: its own rounding
         if not cert.rerun_change <= limit:
             raise GaugeError(
                 f"certify: layer {site.name} ({site.kind}): rerunning the module alone on its recorded inputs changes its "
-                f"output by {cert.rerun_change:.1e} relative to the model's own forward ({call.output.dtype}, limit "
+                f"output by {cert.rerun_change:.1e} relative to the model's own forward ({call.autocast or call.output.dtype}, limit "
                 f"{limit:.0e}): the module depends on something the recording cannot replay (a cache, a hook, global "
                 "state), so gaugeopt cannot certify it"
             )
@@ -474,7 +519,13 @@ def certify(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Cert
             changes a layer's output by more than ``1e-10`` (``1e-6`` for float32 steps) or a
             negative control by less than ``1e-3``; or when the forward skips a layer.
     """
-    return certify_with(model, lambda m: m(*example_args, **example_kwargs))
+    from gaugeopt.structure.static_checks import check_static
+
+    if not isinstance(model, nn.Module):
+        raise GaugeError(f"certify: model must be an nn.Module, got {type(model).__name__}")
+    sites = find_attention(model)
+    check_static(model, sites, "certify")
+    return certify_with(model, lambda m: m(*example_args, **example_kwargs), sites=sites)
 
 
 def certify_with(model: nn.Module, forward: Callable[[nn.Module], Any], *, sites: Sequence[AttentionSite] | None = None,

@@ -1,19 +1,20 @@
-"""Which attention records may be used to change parameters: verified or certified ones.
+"""Proof stamps: which attention records the certificate has proved on the module as it is now.
 
-A record (:class:`~gaugeopt.AttentionSite`) is trusted when
+:func:`gaugeopt.certify` (or the gate, :mod:`gaugeopt.structure.gate`, on its own) reruns each
+attention module in float64 under random gauge transformations; a record that passes is stamped on
+its module under its :func:`proof_key`:
 
-* a built-in adapter made it (:attr:`~gaugeopt.AttentionSite.verified`: the test suite checks
-  every gauge action on that class), or
-* :func:`gaugeopt.certify` proved it on this model: the certificate stamps the attention module
-  with the record's :func:`fingerprint` (head counts, widths, RoPE, QK-norm and every tensor
-  reference, relative to the module). The stamp travels with the module (``copy.deepcopy``,
-  ``torch.compile`` and DDP wrappers keep it) and stops matching as soon as the record changes
-  (``apply_lrm`` adds multipliers: certify again).
+* the record's structure (:func:`fingerprint`: head counts, widths, RoPE, QK-norm and every tensor
+  reference, relative to the module, so a wrapper's prefix does not matter), and
+* what the module runs (:func:`behaviour_key`): the class of every module inside it, the code
+  of every ``forward``, method, helper and kernel the static checks looked at
+  (:mod:`gaugeopt.structure.static_checks`), and the read-only hooks the proof ran with.
 
-Every operation that changes parameters through a record — :func:`gaugeopt.gauge_fix`,
-:class:`gaugeopt.GaugeProjector` and :class:`gaugeopt.GaugeProjected`,
-:func:`gaugeopt.random_gauge_transform`, :func:`gaugeopt.canonicalize`, :func:`gaugeopt.merge`
-and the Lightning callbacks — calls :func:`require_certified` first.
+The stamp travels with the module (``copy.deepcopy``, ``torch.compile``, DDP wrappers and FSDP2's
+sharding keep it; pickling keeps it but a new process computes other keys, so it proves again)
+and stops matching as soon as either part changes: ``apply_lrm`` adds multipliers, a helper is
+patched, a hook is added. A module replaced by a new one carries no stamp. Records assumed without
+a proof (:func:`gaugeopt.assume_certified`) are stamped as ``"assumed"``.
 
 Example:
     >>> import torch.nn as nn, gaugeopt
@@ -34,7 +35,7 @@ from typing import Iterable
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.site import AttentionSite, TensorRef
 
-__all__ = ["fingerprint", "is_certified", "require_certified", "stamp"]
+__all__ = ["fingerprint", "behaviour_key", "proof_key", "is_certified", "how_certified", "require_certified", "stamp"]
 
 _STAMP = "_gaugeopt_certificates"
 
@@ -51,8 +52,7 @@ def _relative(site: AttentionSite, ref: TensorRef) -> str:
 
 
 def fingerprint(site: AttentionSite) -> tuple:
-    """What a certificate vouches for: the record's structure and tensor references (names
-    relative to the module, so a wrapper's prefix does not matter)."""
+    """The record's structure and tensor references (names relative to the module)."""
     refs = tuple(
         (role, _relative(site, ref), ref.attr, tuple(ref.shape), ref.transpose, _index_key(ref.index), ref.groups)
         for role, ref in site.refs()
@@ -60,32 +60,61 @@ def fingerprint(site: AttentionSite) -> tuple:
     n = site.qk_norm
     norm = None if n is None else (n.kind, n.scope, n.gain_offset, n.before_rope, float(n.eps))
     return (site.h, site.h_kv, site.d_k, site.d_v, site.d_model, site.rope.kind, site.rope.rotary_dim, norm,
-            site.float32_steps, site.fixed_head_order, refs)
+            site.float32_steps, site.fixed_head_order, site.kind, refs)
 
 
-def stamp(site: AttentionSite) -> None:
-    """Record on the module that ``site`` passed the certificate."""
-    vars(site.module).setdefault(_STAMP, set()).add(fingerprint(site))
+def behaviour_key(site: AttentionSite) -> tuple:
+    """What the module runs: the classes inside it, the code of every binding the static checks looked at
+    (:func:`~gaugeopt.structure.static_checks.site_bindings`) and the read-only hooks it carries."""
+    from gaugeopt.structure.static_checks import is_allowed_hook, site_bindings
+
+    classes, hooks = [], []
+    for rel, m in site.module.named_modules():
+        cls = type(m)
+        classes.append((rel, cls.__module__, cls.__qualname__))
+        for attr in ("_forward_pre_hooks", "_forward_hooks"):
+            for h in getattr(m, attr, {}).values():
+                if is_allowed_hook(h) and not getattr(h, "_gaugeopt_recorder", False):
+                    fn = getattr(h, "__func__", h)
+                    code = getattr(fn, "__code__", None)
+                    hooks.append((rel, attr, getattr(fn, "__qualname__", type(fn).__qualname__),
+                                  None if code is None else (code.co_filename, code.co_firstlineno, hash(code.co_code))))
+    return tuple(classes), tuple(sorted({b.code_key() for b in site_bindings(site)}, key=repr)), tuple(hooks)
+
+
+def proof_key(site: AttentionSite) -> tuple:
+    """The key a proof of ``site`` is stamped under: ``(fingerprint, behaviour_key)``."""
+    return fingerprint(site), behaviour_key(site)
+
+
+def stamp(site: AttentionSite, how: str = "proved") -> None:
+    """Record on the module that ``site`` passed the certificate (``how="proved"``) or was assumed."""
+    stamps = vars(site.module).get(_STAMP)
+    if not isinstance(stamps, dict):  # a stamp set written by an earlier release: start over
+        stamps = vars(site.module)[_STAMP] = {}
+    stamps[proof_key(site)] = how
+
+
+def how_certified(site: AttentionSite) -> str | None:
+    """``"proved"``, ``"assumed"`` or ``None`` for the record as it is now."""
+    stamps = vars(site.module).get(_STAMP)
+    if not isinstance(stamps, dict):
+        return None
+    return stamps.get(proof_key(site))
 
 
 def is_certified(site: AttentionSite) -> bool:
-    """A verified built-in record, or one whose fingerprint the module carries from :func:`gaugeopt.certify`."""
-    if site.verified:
-        return True
-    return fingerprint(site) in vars(site.module).get(_STAMP, ())
+    """Whether the module carries a proof (or an assumption) of this record as it is now."""
+    return how_certified(site) is not None
 
 
 def require_certified(sites: Iterable[AttentionSite], operation: str) -> None:
-    """Refuse to change parameters through a record nobody has proved (see the module docstring)."""
-    bad = [s for s in sites if not is_certified(s)]
-    if not bad:
-        return
-    names = ", ".join(f"{s.name or '<root>'} ({type(s.module).__qualname__})" for s in bad[:4])
-    more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-    raise GaugeError(
-        f"{operation}: {len(bad)} attention layer(s) — {names}{more} — are described by an adapter the test suite has "
-        "not verified, and no certificate on this model proves that the record matches the module's computation; "
-        "a wrong record (head count, fused row order, RoPE convention or partial rotary width, a Q/K norm) would "
-        "change the model silently. Certify it once on an example input: gaugeopt.certify(model, example_batch) "
-        "(the Lightning callbacks do it on the first training batch; docs/adapters.md)"
-    )
+    """The gate (:func:`gaugeopt.structure.gate.trusted_sites`) for code that holds records only: static
+    checks, then a proof — run now where gaugeopt can find an example input for the model the
+    records came from — or a :class:`GaugeError` saying how to give one."""
+    from gaugeopt.structure.gate import trusted_sites
+
+    sites = list(sites)
+    if not sites:
+        raise GaugeError(f"{operation}: no attention records to act on")
+    trusted_sites(None, operation, sites=sites)

@@ -16,6 +16,7 @@ on the model before a gauge operation changes parameters through it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import torch.nn as nn
@@ -23,7 +24,7 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.site import AttentionSite
 
-__all__ = ["Adapter", "find_attention", "register_adapter", "register_named_adapter", "registered_adapters"]
+__all__ = ["Adapter", "effective_class", "find_attention", "register_adapter", "register_named_adapter", "registered_adapters"]
 
 # An adapter: (root_model, qualified_name, module) -> AttentionSite.
 Adapter = Callable[[nn.Module, str, nn.Module], AttentionSite]
@@ -118,14 +119,32 @@ def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _adapter_for(module: nn.Module, table: dict) -> Adapter | None:
+def effective_class(module: nn.Module) -> type:
+    """The class a module was built as: FSDP2's ``fully_shard`` swaps it for a generated subclass
+    ``FSDP<Class>(FSDPModule, Class)`` that adds sharding around the same ``forward``."""
     cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return cls
+
+
+def _adapter_for(module: nn.Module, table: dict) -> Adapter | None:
+    cls = effective_class(module)
     found = table.get(cls)
     if found is None:
         found = table.get(_class_path(cls))
     if found is None:
         found = next((a for pred, a in _RECOGNISERS if pred(module)), None)
     return found
+
+
+def _supported_ancestor(module: nn.Module, table: dict) -> str | None:
+    """The import path of a strict ancestor class of ``module``'s class that has an adapter."""
+    for base in effective_class(module).__mro__[1:]:
+        if base in table or _class_path(base) in table:
+            return _class_path(base)
+    return None
 
 
 def _looks_like_attention(module: nn.Module) -> bool:
@@ -189,6 +208,9 @@ def find_attention(
     if not isinstance(model, nn.Module):
         raise GaugeError(f"find_attention: model must be a torch.nn.Module, got {type(model).__name__} ({model!r:.60})")
     table = {**registered_adapters(), **(adapters or {})}
+    root_ref = weakref.ref(model)
+    subclasses: list[str] = []
+    first_subclass: nn.Module | None = None
     sites: list[AttentionSite] = []
     claimed: list[str] = []
     unclaimed: list[str] = []
@@ -201,20 +223,28 @@ def find_attention(
             site = adapter(model, name, module)
             site.layer_index = len(sites)
             site.verified = is_verified(adapter)
+            site.root = root_ref
             sites.append(site)
             claimed.append(name)
-        elif name not in allow_unclaimed and not _is_container(module):
-            parent = next((c for c in table if isinstance(c, type) and isinstance(module, c)), None)
-            if parent is not None:
-                unclaimed.append(
-                    f"{name or '<root>'} ({type(module).__qualname__}, a subclass of {parent.__qualname__} that may "
-                    "compute something else)"
-                )
+        elif not _is_container(module):
+            parent = _supported_ancestor(module, table)
+            if parent is not None:  # never skipped, whatever its name and allow_unclaimed say
+                subclasses.append(f"{name or '<root>'} ({type(module).__qualname__}, a subclass of {parent})")
+                first_subclass = first_subclass or module
+            elif name in allow_unclaimed:
+                continue
             elif _looks_like_attention(module):
                 unclaimed.append(f"{name or '<root>'} ({type(module).__qualname__})")
             else:
                 continue
             first_unclaimed = first_unclaimed or module
+    if subclasses:
+        raise GaugeError(
+            "find_attention: these modules subclass a supported attention class, so they may compute something else "
+            "(a subclass can override forward or any helper it calls): " + ", ".join(subclasses[:8])
+            + (" ..." if len(subclasses) > 8 else "") + ". gaugeopt refuses them rather than skip them. "
+            + unclaimed_hint(first_subclass)
+        )
     if unclaimed:
         raise GaugeError(
             "find_attention: these modules look like attention but no adapter understands them: "

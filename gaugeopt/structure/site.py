@@ -47,8 +47,9 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.nn as nn
@@ -222,8 +223,9 @@ class AttentionSite:
             that differs per head (ALiBi slopes, T5's relative position bias) ties each head to its
             position, so the permutation symmetry is gone while the per-group ``GL`` gauges remain.
         verified: set by :func:`gaugeopt.find_attention`: the record comes from a built-in adapter that
-            the test suite verifies for this class. Any other record must pass :func:`gaugeopt.certify`
-            before a gauge operation changes parameters through it.
+            the test suite verifies for this class (whose code must then be the library's own,
+            :mod:`gaugeopt.structure.stock`). Every record — verified or not — is proved on the model
+            by the certificate before a gauge operation uses it (:mod:`gaugeopt.structure.gate`).
     """
 
     name: str
@@ -245,6 +247,11 @@ class AttentionSite:
     float32_steps: str = ""
     fixed_head_order: str = ""
     verified: bool = False
+    # Set by find_attention: the model the record was found in (a weak reference). Set by adapters:
+    # what their forward reads besides code and tensors (a kernel registry entry, a config value), as
+    # gaugeopt.structure.stock.Binding objects the gate re-checks (gaugeopt.structure.static_checks).
+    root: Any = field(default=None, repr=False, compare=False)
+    adapter_bindings: tuple = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.h <= 0 or self.h_kv <= 0 or self.h % self.h_kv:
@@ -416,6 +423,11 @@ class AttentionSite:
         proj.weight.get().copy_(w)
         if bias is not None:
             self.set_effective_bias(p, bias)
+
+    @property
+    def root_model(self) -> nn.Module | None:
+        """The model :func:`gaugeopt.find_attention` found this record in (``None`` if built by hand or gone)."""
+        return self.root() if isinstance(self.root, weakref.ref) else None
 
     def __repr__(self) -> str:  # compact: the dataclass default would print whole modules
         extra = f", rope={self.rope.kind}:{self.rope.rotary_dim}" if self.rope.active else ""

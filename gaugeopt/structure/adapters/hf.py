@@ -36,9 +36,11 @@ stream; the Q/K and V/O gauges still hold.
 
 Hugging Face picks the attention kernel at every forward from ``config._attn_implementation``;
 ``eager`` and ``sdpa`` are verified, anything else (flash, flex, a registered custom function) is
-refused until it is. OLMo's ``clip_qkv`` clamps the projections and breaks the gauge: refused while
-set. The Q/K-normalised families (Qwen3, OLMo 2, Gemma 3, Phi and StableLM with ``qk_layernorm``)
-are recognised, their :class:`~gaugeopt.structure.site.QKNorm` recorded, and refused
+refused until it is, and so is a function registered in place of the stock ``sdpa`` (or under
+``eager``) in transformers' ``AttentionInterface`` (:func:`kernel_check`). OLMo's ``clip_qkv`` clamps
+the projections and breaks the gauge: refused while set. The Q/K-normalised families Qwen3, OLMo 2
+and Gemma 3 are supported on their norm's gain gauge (``docs/qk_norm.md``); Phi and StableLM with
+``qk_layernorm`` are recognised, their :class:`~gaugeopt.structure.site.QKNorm` recorded, and refused
 (:mod:`gaugeopt.structure.adapters.qk_norm`).
 
 Example:
@@ -117,7 +119,7 @@ def _with_root_rope(spec: AttentionSpec, *, partial: bool):
     def adapt(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
         require_stock_forward(name, m)
         family = type(m).__name__.replace("Attention", "")
-        head_dim = m.head_dim
+        head_dim = getattr(m, "head_dim", None) or m.head_size
         return dataclasses.replace(spec, rope=rotary_from_root(root, name, family, head_dim, partial=partial)).build(m, name, root)
 
     adapt.spec = spec  # type: ignore[attr-defined]
@@ -199,14 +201,26 @@ def _falcon_spec(layout: str) -> AttentionSpec:
     return AttentionSpec(
         qkv="query_key_value", fused=layout, o="dense", num_heads="num_heads", num_kv_heads=_falcon_kv,
         head_dim="head_dim", linear_types=(FALCON_LINEAR,), kind="hf_falcon", refuse=implementation_refusal,
-        fixed_head_order=lambda m: ALIBI if m.config.alibi else "",
     )
+
+
+def _falcon_uses_alibi(root: nn.Module, name: str) -> bool:
+    """What the forward does: FalconModel passes ALiBi biases iff its ``use_alibi`` (set from
+    ``config.alibi`` at construction; a later edit of the config changes nothing)."""
+    owners = [m for m in root.modules() if type(m).__name__ == "FalconModel" and hasattr(m, "use_alibi")]
+    if len(owners) != 1:
+        raise GaugeError(
+            f"{name}: Falcon attention takes ALiBi or RoPE from its FalconModel, and {len(owners)} were found under the "
+            "module passed to find_attention; pass the whole model"
+        )
+    return bool(owners[0].use_alibi)
 
 
 def adapt_hf_falcon(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
     layout = "grouped" if m.new_decoder_architecture else ("concat" if m.multi_query else "per_head")
-    spec = _falcon_spec(layout)
-    if m.config.alibi:
+    alibi = _falcon_uses_alibi(root, name)
+    spec = dataclasses.replace(_falcon_spec(layout), fixed_head_order=ALIBI if alibi else "")
+    if alibi:
         return spec.build(m, name, root)
     require_stock_forward(name, m)
     rope = rotary_from_root(root, name, "Falcon", m.head_dim, partial=False)
@@ -259,9 +273,9 @@ HF_SPECS: dict[str, AttentionSpec] = {
         head_dim="head_dim", rope=_partial("split_half"), kind="hf_stablelm", refuse=implementation_refusal,
         on_qk_norm=qkn.hf_stablelm,
         qk_norm=lambda m: QKNormSpec("layer", None, None, eps="q_layernorm.norms.0.eps") if m.qk_layernorm else None),
-    _path("gpt_neox", "GPTNeoXAttention"): AttentionSpec(
+    _path("gpt_neox", "GPTNeoXAttention"): AttentionSpec(  # rotary width: the model's rotary embedding (_ROOT_ROPE)
         qkv="query_key_value", fused="per_head", o="dense", num_heads="config.num_attention_heads", head_dim="head_size",
-        rope=_partial("split_half"), kind="hf_gpt_neox", refuse=implementation_refusal),
+        kind="hf_gpt_neox", refuse=implementation_refusal),
     _path("gptj", "GPTJAttention"): AttentionSpec(
         q="q_proj", k="k_proj", v="v_proj", o="out_proj", num_heads="num_attention_heads", head_dim="head_dim",
         rope=lambda m: RopeSpec("interleaved", m.rotary_dim), kind="hf_gptj", refuse=_gptj_refusal,
@@ -290,7 +304,74 @@ HF_SPECS: dict[str, AttentionSpec] = {
 _ROOT_ROPE = {
     "llama": False, "mistral": False, "qwen2": False, "mixtral": False, "gemma": False, "gemma2": False,
     "olmo": False, "qwen3": False, "olmo2": False, "gemma3": False,
+    # GPT-NeoX's forward rotates cos.shape[-1] channels, the width of the model's rotary embedding;
+    # the attention's own rotary_ndims attribute is never read by it
+    "gpt_neox": True,
 }
+
+# The stock function behind each verified kernel name (transformers' AttentionInterface registry).
+_STOCK_KERNELS = {"sdpa": ("transformers.integrations.sdpa_attention", "sdpa_attention_forward")}
+
+
+def kernel_check(site: AttentionSite) -> AttentionSite:
+    """Refuse a kernel registered in place of the stock one, and bind the kernel the record was checked with.
+
+    Hugging Face looks the kernel up at every forward: ``ALL_ATTENTION_FUNCTIONS.get_interface(
+    config._attn_implementation, eager_attention_forward)``. ``AttentionInterface.register("sdpa", fn)``
+    swaps the function behind a verified name for every model; registering ``"eager"`` overrides the
+    module's own eager function. The record keeps :class:`~gaugeopt.structure.stock.Binding` s of the
+    implementation name and of both registry entries, which the gate re-checks before every use.
+    """
+    import sys
+
+    from gaugeopt.structure.stock import MISSING as _MISSING, Binding, global_problem as _global_problem
+
+    bindings = []
+    for _, m in site.module.named_modules():
+        fwd = getattr(type(m), "forward", None)
+        while hasattr(fwd, "__wrapped__"):  # a decorated forward: the module's globals are the innermost's
+            fwd = fwd.__wrapped__
+        registry = getattr(fwd, "__globals__", {}).get("ALL_ATTENTION_FUNCTIONS")
+        cfg = getattr(m, "config", None)
+        if registry is None or cfg is None or not hasattr(registry, "_global_mapping"):
+            continue
+        impl = getattr(cfg, "_attn_implementation", None)
+        bindings.append(Binding(cfg, "_attn_implementation", impl, attribute=True))
+        glob, local = type(registry)._global_mapping, registry._local_mapping
+        for mapping in (glob, local):
+            bindings.append(Binding(mapping, impl, mapping.get(impl, _MISSING) if impl is not None else _MISSING))
+        if impl in (None, "eager"):
+            if impl is not None and (impl in glob or impl in local):
+                raise GaugeError(
+                    f"{site.name}: a kernel is registered under the name 'eager', which replaces the module's own eager "
+                    "attention and may compute something else; unregister it (docs/trust.md)"
+                )
+            continue
+        module_name, fn_name = _STOCK_KERNELS.get(impl, (None, None))
+        fn = local.get(impl, glob.get(impl))
+        problem = None
+        if module_name is None:
+            problem = f"kernel {impl!r} is not one gaugeopt has verified"
+        elif module_name not in sys.modules or getattr(sys.modules[module_name], fn_name, None) is not fn:
+            problem = f"the function registered as {impl!r} is {getattr(fn, '__qualname__', fn)!r}, not {module_name}.{fn_name}"
+        else:
+            problem = _global_problem(fn, fn_name, module_name, f"the {impl!r} kernel")
+        if problem:
+            raise GaugeError(
+                f"{site.name}: {problem}; a replaced attention kernel may compute something else. Unregister it "
+                "(transformers' AttentionInterface), or load the model with attn_implementation='sdpa' (docs/trust.md)"
+            )
+    site.adapter_bindings = tuple(site.adapter_bindings) + tuple(bindings)
+    return site
+
+
+def _checking_kernels(adapter):
+    def adapt(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
+        return kernel_check(adapter(root, name, m))
+
+    adapt.spec = getattr(adapter, "spec", None)  # type: ignore[attr-defined]
+    return adapt
+
 
 HF_ADAPTERS = {}
 for _key, _spec in HF_SPECS.items():
@@ -302,6 +383,7 @@ HF_ADAPTERS[_path("phi3", "Phi3Attention")] = _with_root_rope(AttentionSpec(
     head_dim="head_dim", kind="hf_phi3", refuse=implementation_refusal), partial=True)
 HF_ADAPTERS[_path("falcon", "FalconAttention")] = adapt_hf_falcon
 HF_ADAPTERS[_path("gpt_bigcode", "GPTBigCodeAttention")] = adapt_hf_bigcode
+HF_ADAPTERS = {key: _checking_kernels(adapter) for key, adapter in HF_ADAPTERS.items()}
 
 # Modules named like attention that only wrap one (their child is claimed).
 HF_WRAPPERS = (_path("t5", "T5LayerSelfAttention"), _path("t5", "T5LayerCrossAttention"))

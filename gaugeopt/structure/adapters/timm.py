@@ -3,8 +3,9 @@
 Fused ``qkv = [Q|K|V]`` (``num_heads`` heads of width ``head_dim``, no GQA, no RoPE), output
 ``proj``; the fused (SDPA) and manual paths compute the same attention. ``scale_norm=True`` (a
 norm over all heads' outputs before ``proj``) and ``gated=True`` (an elementwise sigmoid gate on
-the outputs) change the V/O gauge and are refused; ``qk_norm=True`` is recognised and refused
-(:mod:`gaugeopt.structure.adapters.qk_norm`).
+the outputs) change the V/O gauge and are refused; ``qk_norm=True`` (LayerNorm or RMSNorm over each
+head) is supported on the norm's gain gauge (:mod:`gaugeopt.structure.adapters.qk_norm`,
+``docs/qk_norm.md``), a norm of another kind refused.
 
 Example:
     >>> from gaugeopt.structure.adapters.timm import TIMM_SPEC
