@@ -38,11 +38,15 @@ from gaugeopt.structure.registry import find_attention, register_adapter
 from gaugeopt.structure.linears import site_from_linears
 from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
 from gaugeopt.structure.certificate import CertificateReport, certify
+from gaugeopt.structure.gate import assume_certified
+from gaugeopt.structure.static_checks import read_only_hook
+from gaugeopt.structure.stock import accept_patch
 from gaugeopt.fix.transport import register_state_rule
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "accept_patch",
     "AttentionSite",
     "AttentionSpec",
     "CertificateReport",
@@ -57,6 +61,7 @@ __all__ = [
     "LRMLinear",
     "RopeSpec",
     "apply_lrm",
+    "assume_certified",
     "canonical_metrics",
     "canonicalize",
     "equivalent",
@@ -71,6 +76,7 @@ __all__ = [
     "merge",
     "qk_drift",
     "random_gauge_transform",
+    "read_only_hook",
     "register_adapter",
     "register_state_rule",
     "relative_change",

@@ -1,11 +1,13 @@
 """Triton kernels for gaugeopt (installed as ``gaugeopt.kernels``), each beside its torch reference.
 
-* the fused GaugeFix (:mod:`.gaugefix_triton`; reference :mod:`.gaugefix_reference`):
-  :func:`gaugeopt.gauge_fix` takes it on CUDA through :func:`try_fused_gauge_fix`;
-  :class:`FusedGaugeFix` plans and dispatches once and reuses the packed tables across calls.
-* :func:`fused_vertical`, :func:`fused_project` — the closed-form projection sectors
-  (``lrm_qk``, ``lrm_vo``, full-rotary ``qk``) of :class:`gaugeopt.projection.projector.GaugeProjector`
-  in one launch (:mod:`.projection_triton`; reference :mod:`.projection_reference`).
+* :mod:`.gaugefix_triton` — the fused GaugeFix: every pair of every layer balanced, and the
+  optimizer state transported, in one launch per dtype group (:func:`~.gaugefix_triton.prepare`
+  packs the descriptor tables once). Its host side and reference are :mod:`gaugeopt.fix.triton_backend`
+  and :mod:`gaugeopt.fix.torch_backend`; :func:`gaugeopt.gauge_fix` chooses between them.
+* :mod:`.projection_triton` — the closed-form projection sectors (``lrm_qk``, ``lrm_vo``,
+  full-rotary ``qk``) of :class:`gaugeopt.GaugeProjector` in one launch
+  (:func:`~.projection_triton.launch_diagonal`, :func:`~.projection_triton.launch_planes`; host side
+  :mod:`gaugeopt.projection.triton_backend`).
 * :mod:`.dispatch` — which implementation runs (``backend=``, ``GAUGEOPT_BACKEND``), and why.
 
 Importing this package imports neither Triton nor a kernel module; they load on first use.
@@ -17,11 +19,9 @@ from __future__ import annotations
 import importlib
 
 _LAZY = {
-    "try_fused_gauge_fix": "gaugeopt.kernels.ops",
-    "FusedGaugeFix": "gaugeopt.kernels.ops",
-    "fused_vertical": "gaugeopt.kernels.ops",
-    "fused_project": "gaugeopt.kernels.ops",
     "dispatch": "gaugeopt.kernels.dispatch",
+    "gaugefix_triton": "gaugeopt.kernels.gaugefix_triton",
+    "projection_triton": "gaugeopt.kernels.projection_triton",
 }
 
 __all__ = list(_LAZY)

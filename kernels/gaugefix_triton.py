@@ -117,7 +117,7 @@ def _gaugefix_kernel(
     slot_tab,  # (Σ width,) int32: slot of each channel, per plan
     scal,  # (5,) ACC: eps, magnitude (sqrt(1 - decay)), product_max, smallest normal, "changed" tolerance
     out,  # (4, n_out) ACC
-    unit_changed,  # (n_units,) int32: 1 when some factor of the group differs from 1
+    unit_changed,  # (n_units,) int32: bit 0 when some factor of the group differs from 1, bit 1 when a slot was not finite
     n_out,
     PARAM_T: tl.constexpr,
     STATE_T: tl.constexpr,
@@ -181,6 +181,9 @@ def _gaugefix_kernel(
     eps = tl.load(scal + 0)
     mag0 = tl.load(scal + 1)
     g = _sqrt(_div(s_a + eps, s_b + eps, IEEE32), IEEE32)
+    # a NaN/Inf weight makes its slot's scale non-finite: that slot keeps factor 1 (nothing spreads)
+    finite = (g == g) & (g > 0.0) & (g < float("inf"))
+    g = tl.where(finite, g, 1.0)
     inv_g = _div(tl.full([BLOCK_C], 1.0, ACC_T), g, IEEE32)
     product = s_a * s_b
     mag = tl.full([BLOCK_C], 1.0, ACC_T) * mag0
@@ -189,6 +192,7 @@ def _gaugefix_kernel(
         tiny = tl.load(scal + 3)
         cap = _div(tl.full([BLOCK_C], 1.0, ACC_T) * pmax, tl.maximum(product * mag * mag, tiny), IEEE32)
         mag = mag * _sqrt(tl.minimum(cap, 1.0), IEEE32)
+    mag = tl.where(finite, mag, 1.0)
     new_a = _div(mag * s_a, g, IEEE32)
     new_b = mag * s_b * g
     drift_before = tl.abs(tl.log(_div(s_a + eps, s_b + eps, IEEE32)))
@@ -200,7 +204,8 @@ def _gaugefix_kernel(
     tl.store(out + 3 * n_out + o, new_a * new_b, mask=smask)
     tol = tl.load(scal + 4)
     changed = tl.max(tl.where(smask & (tl.abs(inv_g * mag - 1.0) > tol), 1, 0), axis=0)
-    tl.store(unit_changed + u, changed.to(tl.int32))
+    skipped = tl.max(tl.where(smask, tl.where(finite, 0, 2), 0), axis=0)
+    tl.store(unit_changed + u, (changed + skipped).to(tl.int32))
 
     # ---- per-channel factors: parameters by gauge·magnitude, state by the gauge alone
     fpa = tl.sum(tl.where(onehot, (inv_g * mag)[None, :], 0.0), axis=1)
@@ -393,13 +398,16 @@ class PreparedFix:
 
     def run(self) -> list[tuple[torch.Tensor, ...]]:
         """Rescale in place; per pair ``(drift_before, drift_after, product_before, product_after)``,
-        each ``(groups, n_slots)``, and ``changed`` ``(groups,)`` bool — device tensors, no host sync."""
+        each ``(groups, n_slots)``, then ``changed`` and ``skipped`` (a slot with a non-finite scale, left
+        alone), each ``(groups,)`` bool — device tensors, no host sync."""
         results: list = [None] * len(self.pairs)
         for pk in self.launches:
             out, changed = _run(pk)
             for k, off, u0 in zip(pk.members, pk.out_offsets, pk.unit_offsets):
                 g, ns = self.pairs[k].groups, self.pairs[k].n_slots
-                results[k] = tuple(out[i, off:off + g * ns].view(g, ns) for i in range(_N_OUT)) + (changed[u0:u0 + g] != 0,)
+                flags = changed[u0:u0 + g]
+                results[k] = tuple(out[i, off:off + g * ns].view(g, ns) for i in range(_N_OUT)) + (
+                    (flags & 1) != 0, (flags & 2) != 0)
         return results
 
 

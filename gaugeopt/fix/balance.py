@@ -58,6 +58,8 @@ class Balance:
         drift_before, drift_after: ``(L, G, S)`` slot drift ``|log((s_a+ε)/(s_b+ε))|``.
         product_before, product_after: ``(L, G, S)`` scale product ``s_a·s_b``.
         changed: ``(L, G)`` bool, :func:`changed_groups` of the side-a parameter factor.
+        skipped: ``(L, G)`` bool, groups with a non-finite scale in some slot (a NaN or Inf weight):
+            those slots keep factor 1, so nothing non-finite spreads to the rest of the group.
     """
 
     gauge_a: torch.Tensor
@@ -68,6 +70,7 @@ class Balance:
     product_before: torch.Tensor
     product_after: torch.Tensor
     changed: torch.Tensor
+    skipped: torch.Tensor
 
 
 def changed_groups(factor: torch.Tensor) -> torch.Tensor:
@@ -102,6 +105,8 @@ def balance_factors(
     s_a = slot_rms(ms_a, slot, n_slots, onehot)  # (L, G, S)
     s_b = slot_rms(ms_b, slot, n_slots, onehot)
     g = ((s_a + eps) / (s_b + eps)).sqrt()
+    finite = torch.isfinite(g) & (g > 0)  # a NaN/Inf weight makes its slot's scale non-finite
+    g = torch.where(finite, g, torch.ones_like(g))  # ... and that slot is left alone, not spread
     inv_g = 1.0 / g
     product = s_a * s_b
     if product_decay is None and product_max is None:  # m = 1: no multiplications by it
@@ -111,6 +116,7 @@ def balance_factors(
         m = torch.full_like(g, 1.0 if product_decay is None else (1.0 - product_decay) ** 0.5)
         if product_max is not None:
             m = m * (product_max / (product * m * m).clamp_min(torch.finfo(product.dtype).tiny)).clamp(max=1.0).sqrt()
+        m = torch.where(finite, m, torch.ones_like(m))
         new_a, new_b, factor_a = m * s_a * inv_g, m * s_b * g, m * inv_g
     if n_slots == 1:  # one slot per group: a broadcast view instead of a gather
         def per_channel(t):
@@ -130,4 +136,5 @@ def balance_factors(
         product_before=product,
         product_after=new_a * new_b,
         changed=changed_groups(factor_a),
+        skipped=~finite.all(-1),
     )

@@ -121,15 +121,23 @@ def log_ratio(s_a: torch.Tensor, s_b: torch.Tensor, eps: float) -> torch.Tensor:
     return ((s_a + eps) / (s_b + eps)).log().abs()
 
 
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    return t[torch.isfinite(t)]
+
+
 def worst(values: Iterable[torch.Tensor]) -> float:
-    """The largest entry over several tensors (``0.0`` when there are none); one host sync."""
-    vals = [v.reshape(-1).max() for v in values]
-    return float(torch.stack(vals).max()) if vals else 0.0
+    """The largest finite entry over several tensors (``0.0`` when there are none); one host sync.
+    A slot whose scale is NaN (a NaN weight) is reported apart, not as the worst drift."""
+    flat = [_finite(v.reshape(-1)) for v in values]
+    flat = torch.cat(flat) if flat else torch.zeros(0)
+    return float(flat.max()) if flat.numel() else 0.0
 
 
 def product_stats(products: Iterable[torch.Tensor]) -> tuple[float, float]:
-    """``(mean, max)`` of the scale products over every slot of every layer; one host sync."""
-    flat = torch.cat([p.reshape(-1) for p in products])
+    """``(mean, max)`` of the finite scale products over every slot of every layer; one host sync."""
+    flat = _finite(torch.cat([p.reshape(-1) for p in products]))
+    if not flat.numel():
+        return (float("nan"), float("nan"))
     return tuple(torch.stack([flat.mean(), flat.max()]).tolist())
 
 

@@ -40,7 +40,7 @@ Example:
     >>> report.max_drift_before > 1e-4, gaugeopt.qk_drift(model) < 1e-6
     (True, True)
     >>> sorted(report.as_dict())[:3]
-    ['gaugefix/heads_fixed', 'gaugefix/params_left', 'gaugefix/params_reset']
+    ['gaugefix/heads_fixed', 'gaugefix/nonfinite_groups', 'gaugefix/params_left']
 """
 
 from __future__ import annotations
@@ -51,16 +51,24 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.fix.plan import check_fix_options, plan_pairs, plan_parameters
+from gaugeopt.fix.drift import log_ratio
+from gaugeopt.fix.plan import PairPlan, check_fix_options, plan_pairs, plan_parameters
 from gaugeopt.fix.report import GaugeFixReport, PairRecord
-from gaugeopt.fix.torch_backend import StateMap, TorchFix
+from gaugeopt.fix.torch_backend import StateMap, TorchFix, measured_scales, plan_batches
 from gaugeopt.fix.transport import classify_state, transport_entries, unwrap_optimizer
 from gaugeopt.kernels import dispatch
-from gaugeopt.structure.certified import require_certified
+from gaugeopt.structure.gate import Gate
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["GaugeFixer", "gauge_fix", "check_optimizer_owns"]
+
+
+def _rounding_floor(plan: PairPlan) -> float:
+    """The relative precision of the stored tensors a plan rescales (``eps`` of the coarsest dtype): the
+    drift a fix can leave in them is of this order, whatever the factors computed."""
+    return max(torch.finfo(m.ref.param.dtype).eps for _, members in plan.sides() for m in members
+               if m.ref.param.is_floating_point())
 
 
 def check_optimizer_owns(params: dict[int, tuple[str, torch.Tensor]], optimizer, what: str) -> None:
@@ -114,6 +122,7 @@ class GaugeFixer:
         product_max: float | None = None,
         eps: float = 1e-12,
         backend: str = "auto",
+        rescale_frozen: bool = False,
     ) -> None:
         check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode,
                           unknown_state=unknown_state, product_decay=product_decay, product_max=product_max, eps=eps)
@@ -122,21 +131,43 @@ class GaugeFixer:
             raise GaugeError("gauge_fix: pass a model or sites=find_attention(model)")
         if model is not None and not isinstance(model, nn.Module):
             raise GaugeError(f"gauge_fix: model must be an nn.Module, got {type(model).__name__}")
-        self.sites = find_attention(model) if sites is None else list(sites)
-        self.plans = plan_pairs(self.sites, kinds=("qk", "vo") if vo else ("qk",), granularity=granularity,
-                                vo_granularity=vo_granularity, mode=mode)
-        self._params = plan_parameters(self.plans)
+        if not isinstance(rescale_frozen, bool):
+            raise GaugeError(f"gauge_fix: rescale_frozen={rescale_frozen!r} must be True or False")
+        self._plan_options = dict(kinds=("qk", "vo") if vo else ("qk",), granularity=granularity,
+                                  vo_granularity=vo_granularity, mode=mode)
+        plan_pairs([], **self._plan_options)  # options checked before the gate runs a proof
         self.optimizer = optimizer if transport_state else None
-        if self.optimizer is not None:
-            check_optimizer_owns(self._params, self.optimizer, "gauge_fix")
+        self.rescale_frozen = rescale_frozen
         self.unknown_state, self.backend = unknown_state, backend
         self._numbers = dict(eps=eps, product_decay=product_decay, product_max=product_max)
-        self._device = next(iter(self._params.values()))[1].device
+        self.decision: dispatch.Decision | None = None
+        self._gate = Gate(model, "gauge_fix", sites=sites)
+        self._plan(self._gate.sites)
+
+    def _plan(self, sites: Sequence[AttentionSite]) -> None:
+        """Plan the pairs of ``sites`` (frozen ones left out unless ``rescale_frozen``) and check the optimizer."""
+        self.sites = list(sites)
+        plans = plan_pairs(self.sites, **self._plan_options)
+        self.frozen: list[str] = []
+        if not self.rescale_frozen:
+            kept = []
+            for plan in plans:
+                frozen = [m.ref.name for _, members in plan.sides() for m in members if not m.ref.param.requires_grad]
+                if frozen:
+                    self.frozen.append(f"{plan.site.name} ({plan.kind}: {', '.join(dict.fromkeys(frozen))})")
+                else:
+                    kept.append(plan)
+            plans = kept
+        self.plans = plans
+        self._params = plan_parameters(self.plans)
+        self._batches = plan_batches(self.plans)
+        if self.optimizer is not None and self._params:
+            check_optimizer_owns(self._params, self.optimizer, "gauge_fix")
+        first = next(iter(self._params.values()), None)
+        self._device = first[1].device if first is not None else torch.device("cpu")
         self._runner = None
         self._key = None
-        self._certified = False
         self._classified: dict[int, tuple] = {}
-        self.decision: dispatch.Decision | None = None
 
     def _classify(self) -> tuple[dict[str, list[str]], StateMap]:
         """State outcome per parameter (raises before any write) and the state to transport;
@@ -193,18 +224,23 @@ class GaugeFixer:
         return self._runner
 
     def __call__(self) -> GaugeFixReport:
-        if not self._certified:  # a fix through a record nobody proved could change the model silently
-            require_certified(self.sites, "gauge_fix")
-            self._certified = True
+        if self._gate.ensure():  # surgery, a new hook, a patched helper: found, checked, proved again
+            self._plan(self._gate.sites)
         outcome, state = self._classify()
+        report = GaugeFixReport(**outcome, frozen=list(self.frozen))
+        if not self.plans:
+            return report
         runner = self._backend_for(state)
         numbers = runner.run()
-        report = GaugeFixReport(**outcome, backend=runner.name)
-        for plan, n in zip(self.plans, numbers):  # tensors: nothing waits for the device until the report is read
+        report.backend = runner.name
+        after = measured_scales(self.plans, self._batches)  # the stored values: what rounding to bf16 left, too
+        for plan, n, (s_a, s_b) in zip(self.plans, numbers, after):  # tensors: no host sync until the report is read
             report.pairs.append(PairRecord(
                 plan.site.name, plan.site.layer_index, plan.kind, plan.mode, plan.granularity,
-                n.drift_before, n.drift_after, n.product_before, n.product_after, n.changed, plan.heads_per_group,
+                n.drift_before, log_ratio(s_a, s_b, self._numbers["eps"]), n.product_before, s_a * s_b, n.changed,
+                plan.heads_per_group, skipped=n.skipped, floor=_rounding_floor(plan),
             ))
+        report.warn_nonfinite()
         return report
 
 
@@ -223,6 +259,7 @@ def gauge_fix(
     product_max: float | None = None,
     eps: float = 1e-12,
     backend: str = "auto",
+    rescale_frozen: bool = False,
 ) -> GaugeFixReport:
     """Balance the Q/K (and optionally V/O) gauge of every attention layer, in place.
 
@@ -253,6 +290,8 @@ def gauge_fix(
             the torch backend otherwise), ``"triton"`` or ``"torch"`` to force one; the
             environment variable ``GAUGEOPT_BACKEND`` overrides ``"auto"``. Forcing Triton where
             it cannot run raises :class:`GaugeError`.
+        rescale_frozen: also rescale tensors that do not require gradients (default: a pair with a
+            frozen tensor is left out and listed in ``report.frozen``).
 
     Returns:
         :class:`~gaugeopt.fix.report.GaugeFixReport` (drift and scale product before/after per
@@ -261,5 +300,5 @@ def gauge_fix(
     return GaugeFixer(
         model, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity, mode=mode,
         transport_state=transport_state, unknown_state=unknown_state, product_decay=product_decay,
-        product_max=product_max, eps=eps, backend=backend,
+        product_max=product_max, eps=eps, backend=backend, rescale_frozen=rescale_frozen,
     )()

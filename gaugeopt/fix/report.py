@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,9 @@ __all__ = ["PairRecord", "GaugeFixReport"]
 class PairRecord:
     """What the fix did to one gauge of one layer (tensors ``(h_kv, n_slots)``).
 
-    ``heads_fixed`` counts the query heads (Q/K) or KV heads (V/O) whose factor differed from 1
+    ``drift_after`` and ``product_after`` are measured on the stored tensors after the writes (a
+    bf16 parameter's drift is what rounding left, not what the factors promised); ``floor`` is the
+    relative precision of those tensors, the drift rounding alone can leave. ``heads_fixed`` counts the query heads (Q/K) or KV heads (V/O) whose factor differed from 1
     beyond rounding in at least one slot (:func:`gaugeopt.fix.balance.changed_groups`); it is read
     from the ``changed`` tensor when asked for, so a fix itself never waits for the device.
     """
@@ -41,6 +44,35 @@ class PairRecord:
     product_after: torch.Tensor
     changed: torch.Tensor  # (h_kv,) bool
     heads_per_group: int = 1
+    skipped: torch.Tensor | None = None  # (h_kv,) bool: a slot with a non-finite scale was left alone
+    floor: float = 0.0  # relative precision of the stored tensors (eps of their dtype)
+
+    @property
+    def nonfinite_groups(self) -> int:
+        """Groups (of every gauge) with a slot left alone because its scale was not finite (one host sync)."""
+        flags = [p.skipped.sum() for p in self.pairs if p.skipped is not None]
+        return int(torch.stack(flags).sum()) if flags else 0
+
+    @property
+    def rounding_floor(self) -> float:
+        """The largest :attr:`PairRecord.floor`: no fix can bring a drift below about this."""
+        return max((p.floor for p in self.pairs), default=0.0)
+
+    @property
+    def limited_by_rounding(self) -> bool:
+        """Whether the Q/K drift left is at the stored dtype's rounding (a few :attr:`rounding_floor`)."""
+        return self.max_drift_after <= 8 * self.rounding_floor
+
+    def warn_nonfinite(self) -> None:
+        """Warn when slots were left alone for a non-finite scale (reads the flags: one host sync)."""
+        n = self.nonfinite_groups
+        if n:
+            bad = sorted({p.name for p in self.pairs if p.skipped is not None and bool(p.skipped.any())})
+            warnings.warn(
+                f"gauge_fix: {n} group(s) in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} have a NaN or "
+                "infinite weight; their slots were left alone (nothing spread to the rest of the head). "
+                "report.nonfinite_groups counts them", RuntimeWarning, stacklevel=3,
+            )
 
     @property
     def heads_fixed(self) -> int:
@@ -56,13 +88,19 @@ class GaugeFixReport:
             QK-norm layer's Q/K record has kind ``"qk_gain"`` and counts as Q/K in every summary).
         transported, reset, left: names of the parameters whose optimizer state was transported,
             reset, or left stale (``unknown_state``); parameters without state are in none.
+        frozen: the pairs left out because a tensor of theirs does not require gradients
+            (``rescale_frozen=False``, the default).
         backend: ``"torch"`` or ``"triton"``: which implementation computed the numbers.
+
+    Drift and scale-product summaries are over the finite slots; :attr:`nonfinite_groups` counts the
+    groups with a slot left alone because its scale was NaN or infinite (a NaN weight).
     """
 
     pairs: list[PairRecord] = field(default_factory=list)
     transported: list[str] = field(default_factory=list)
     reset: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
     backend: str = "torch"
 
     def _of(self, kind: str) -> list[PairRecord]:
@@ -81,6 +119,33 @@ class GaugeFixReport:
     @property
     def max_drift_after(self) -> float:
         return self._max("qk", "drift_after")
+
+    @property
+    def nonfinite_groups(self) -> int:
+        """Groups (of every gauge) with a slot left alone because its scale was not finite (one host sync)."""
+        flags = [p.skipped.sum() for p in self.pairs if p.skipped is not None]
+        return int(torch.stack(flags).sum()) if flags else 0
+
+    @property
+    def rounding_floor(self) -> float:
+        """The largest :attr:`PairRecord.floor`: no fix can bring a drift below about this."""
+        return max((p.floor for p in self.pairs), default=0.0)
+
+    @property
+    def limited_by_rounding(self) -> bool:
+        """Whether the Q/K drift left is at the stored dtype's rounding (a few :attr:`rounding_floor`)."""
+        return self.max_drift_after <= 8 * self.rounding_floor
+
+    def warn_nonfinite(self) -> None:
+        """Warn when slots were left alone for a non-finite scale (reads the flags: one host sync)."""
+        n = self.nonfinite_groups
+        if n:
+            bad = sorted({p.name for p in self.pairs if p.skipped is not None and bool(p.skipped.any())})
+            warnings.warn(
+                f"gauge_fix: {n} group(s) in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} have a NaN or "
+                "infinite weight; their slots were left alone (nothing spread to the rest of the head). "
+                "report.nonfinite_groups counts them", RuntimeWarning, stacklevel=3,
+            )
 
     @property
     def heads_fixed(self) -> int:
@@ -103,6 +168,8 @@ class GaugeFixReport:
             f"{prefix}params_transported": float(len(self.transported)),
             f"{prefix}params_reset": float(len(self.reset)),
             f"{prefix}params_left": float(len(self.left)),
+            f"{prefix}nonfinite_groups": float(self.nonfinite_groups),
+            f"{prefix}rounding_floor": self.rounding_floor,
         }
         for kind in ("qk", "vo"):
             recs = self._of(kind)

@@ -23,12 +23,12 @@ import torch
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.balance import balance_factors
-from gaugeopt.fix.drift import read_mean_squares
+from gaugeopt.fix.drift import read_mean_squares, slot_rms
 from gaugeopt.fix.plan import PairPlan
 from gaugeopt.distributed import is_dtensor
 from gaugeopt.fix.transport import rescale_param, rescale_tensor, storage_factor
 
-__all__ = ["PairNumbers", "StateMap", "TorchFix"]
+__all__ = ["PairNumbers", "StateMap", "TorchFix", "measured_scales", "plan_batches"]
 
 # parameter id -> [(state tensor, power k)]: the state a rescale p ← s ⊙ p divides by s**k
 StateMap = dict[int, list[tuple[torch.Tensor, int]]]
@@ -36,13 +36,41 @@ StateMap = dict[int, list[tuple[torch.Tensor, int]]]
 
 @dataclass
 class PairNumbers:
-    """What a backend reports for one plan (tensors ``(groups, n_slots)``; ``changed``: ``(groups,)`` bool)."""
+    """What a backend reports for one plan (tensors ``(groups, n_slots)``; ``changed`` and ``skipped``:
+    ``(groups,)`` bool, ``skipped`` for groups left alone in some slot because a scale was not finite)."""
 
     drift_before: torch.Tensor
     drift_after: torch.Tensor
     product_before: torch.Tensor
     product_after: torch.Tensor
     changed: torch.Tensor
+    skipped: torch.Tensor
+
+
+def plan_batches(plans: Sequence[PairPlan]) -> list[list[int]]:
+    """Indices of ``plans`` grouped into batches whose statistics stack along a layer axis (equal
+    shapes, modes, member roles, dtype and device: every layer of a model, as a rule)."""
+    batches: dict[tuple, list[int]] = defaultdict(list)
+    for k, plan in enumerate(plans):
+        roles = tuple(m.role for _, ms in plan.sides() for m in ms)
+        p0 = plan.members_a[0].ref.param
+        batches[plan.batch_key() + (plan.mode, roles, p0.dtype, p0.device)].append(k)
+    return list(batches.values())
+
+
+@torch.no_grad()
+def measured_scales(plans: Sequence[PairPlan], batches: Sequence[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(s_a, s_b)`` per plan, each ``(groups, n_slots)``, read from the stored tensors now — after a
+    fix, what the writes (rounded to the parameters' dtype) really left; one stacked read per batch."""
+    out: list = [None] * len(plans)
+    for ks in batches:
+        first = plans[ks[0]]
+        ms_a, ms_b = _mean_squares(plans, ks, "a"), _mean_squares(plans, ks, "b")
+        slot = first.slot.to(ms_a.device)
+        s_a, s_b = slot_rms(ms_a, slot, first.n_slots), slot_rms(ms_b, slot, first.n_slots)
+        for row, k in enumerate(ks):
+            out[k] = (s_a[row], s_b[row])
+    return out
 
 
 class TorchFix:
@@ -71,19 +99,15 @@ class TorchFix:
         self.plans = list(plans)
         self.state = state
         self.options = dict(eps=eps, product_decay=product_decay, product_max=product_max)
-        batches: dict[tuple, list[int]] = defaultdict(list)
         sharded = False
-        for k, plan in enumerate(self.plans):
-            roles = tuple(m.role for _, ms in plan.sides() for m in ms)
-            p0 = plan.members_a[0].ref.param
-            batches[plan.batch_key() + (plan.mode, roles, p0.dtype, p0.device)].append(k)
+        for plan in self.plans:
             for _, members in plan.sides():
                 for m in members:
                     p = m.ref.param
                     # DTensor shards, and gains stored with an offset ((w + offset)·s − offset is affine),
                     # take the storage-layout path
                     sharded |= is_dtensor(p) or any(is_dtensor(t) for t, _ in state.get(id(p), ())) or bool(m.offset)
-        self._batches = list(batches.values())
+        self._batches = plan_batches(self.plans)
         self._sharded = sharded
         self._slots = {}
         self._jobs = None if sharded else [self._view_jobs(ks) for ks in self._batches]
@@ -123,7 +147,7 @@ class TorchFix:
             bal = balance_factors(ms_a, ms_b, slot, first.n_slots, onehot=onehot, **self.options)
             self._rescale(ks, bal.gauge_a, bal.gauge_b, bal.magnitude)
             per_plan = zip(*(t.unbind(0) for t in (bal.drift_before, bal.drift_after, bal.product_before,
-                                                    bal.product_after, bal.changed)))
+                                                    bal.product_after, bal.changed, bal.skipped)))
             for k, fields in zip(ks, per_plan):
                 results[k] = PairNumbers(*fields)
         return results

@@ -121,8 +121,8 @@ class GaugeFix(FixSteps, _StepCounter):
 
     def apply(self, pl_module: pl.LightningModule | torch.nn.Module, optimizer=None):
         """Run one fix now (for manual loops); returns the :class:`~gaugeopt.fix.gaugefix.GaugeFixReport`."""
-        sites = self.sites or find_attention(pl_module)
-        return GaugeFixer(None, optimizer if self.options["transport_state"] else None, sites=sites, **self.options)()
+        return GaugeFixer(pl_module, optimizer if self.options["transport_state"] else None, sites=self.sites or None,
+                          **self.options)()
 
 
 class GaugeMonitor(_StepCounter):

@@ -68,6 +68,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -110,6 +111,13 @@ class GaugeProjected(torch.optim.Optimizer):
             (read lazily: no host synchronisation in the step itself).
         last_report: the :class:`~gaugeopt.fix.report.GaugeFixReport` of the latest fix (``None``
             before the first).
+        nonfinite_steps: steps left unprojected because the gauge parameters, their update or their
+            gradients held a NaN or an infinity (each with a warning; ``last_vertical_fraction`` is
+            ``nan`` after one). A projection would spread one bad entry over its whole head.
+
+    Tensors that do not require gradients are never moved: the projection leaves out every gauge
+    direction that would move one (``projector.frozen``), and the fix every pair with one
+    (``last_report.frozen``; ``fix_kwargs={"rescale_frozen": True}`` to rescale them anyway).
     """
 
     _step_supports_amp_scaling = False  # GradScaler unscales and skips inf steps for us
@@ -162,6 +170,7 @@ class GaugeProjected(torch.optim.Optimizer):
         self.projector_kwargs = projector_kwargs
         self._steps = 0
         self._fixes = 0
+        self.nonfinite_steps = 0
         self._last = None
         self.last_report = None
         self._projector: GaugeProjector | None = None
@@ -213,9 +222,14 @@ class GaugeProjected(torch.optim.Optimizer):
 
     @property
     def projector(self) -> GaugeProjector:
-        """The :class:`~gaugeopt.projection.projector.GaugeProjector` (built on first use)."""
+        """The :class:`~gaugeopt.projection.projector.GaugeProjector` (built on first use, and again when
+        the model's attention changed: surgery, a new layer). It leaves out every gauge direction that
+        would move a tensor which does not require gradients (``projector.frozen`` lists them)."""
+        if self._projector is not None and self._projector.gate.ensure():
+            self._projector = None  # records changed since it was built: plan again on the model as it is
         if self._projector is None:
-            self._projector = GaugeProjector(self.model, self.sectors, self.mode, sites=self.sites, **self.projector_kwargs)
+            self._projector = GaugeProjector(self.model, self.sectors, self.mode, sites=self.sites, trainable_only=True,
+                                             **self.projector_kwargs)
         return self._projector
 
     def _check_coverage(self) -> None:
@@ -250,12 +264,14 @@ class GaugeProjected(torch.optim.Optimizer):
             before = snapshot(proj, self.model)
             loss = self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
             self._last = remove_vertical_update_(proj, self.model, before)
+            self.nonfinite_steps += self._last is None
         else:
             loss = None
             if closure is not None:
                 with torch.enable_grad():
                     loss = closure()
             self._last = remove_vertical_grad_(self.projector, self.model)
+            self.nonfinite_steps += self._last is None
             self.optimizer.step(**kwargs)
         self._steps += 1
         if self.fix_every is not None and self._steps % self.fix_every == 0:
@@ -294,6 +310,7 @@ class GaugeProjected(torch.optim.Optimizer):
             "version": 1,
             "step": self._steps,
             "fixes": self._fixes,
+            "nonfinite_steps": self.nonfinite_steps,
             "project": self.project,
             "mode": self.mode,
             "fix_every": self.fix_every,
@@ -312,10 +329,12 @@ class GaugeProjected(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load the inner optimizer's state and the wrapper's counters and options.
+        """Load the inner optimizer's state and the wrapper's counters.
 
-        A plain state dict of the inner optimizer (no ``"gauge_projected"`` entry) is accepted:
-        counters then restart at 0 and the options stay as constructed.
+        The options (``project``, ``mode``, ``fix_every``, ``sectors``) stay as constructed — the code
+        that runs now decides —; a checkpoint written with other options is reported with a warning
+        naming each difference. A plain state dict of the inner optimizer (no ``"gauge_projected"``
+        entry) is accepted: counters then restart at 0.
         """
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             out = hook(self, state_dict)
@@ -328,13 +347,18 @@ class GaugeProjected(torch.optim.Optimizer):
             if own.get("project") not in _PROJECT or own.get("mode") not in MODES:
                 raise GaugeError(f"GaugeProjected.load_state_dict: unreadable options in {_STATE_KEY!r}: {own}")
             self._steps, self._fixes = int(own["step"]), int(own["fixes"])
-            rebuild = (own["mode"], own["sectors"]) != (self.mode, self._own_state()["sectors"])
-            self.project, self.mode, self.fix_every = own["project"], own["mode"], own["fix_every"]
-            self.sectors = own["sectors"] if isinstance(own["sectors"], str) else tuple(own["sectors"])
-            if rebuild:
-                self._projector = None
+            self.nonfinite_steps = int(own.get("nonfinite_steps", 0))
+            mine = self._own_state()
+            differ = [f"{k}: checkpoint {own[k]!r}, constructor {mine[k]!r}"
+                      for k in ("project", "mode", "fix_every", "sectors") if k in own and own[k] != mine[k]]
+            if differ:  # the code that runs now says what to do; the checkpoint only says what was done
+                warnings.warn(
+                    "GaugeProjected.load_state_dict: the checkpoint was written with other options ("
+                    + "; ".join(differ) + "). The constructor's options are kept; the counters are restored",
+                    RuntimeWarning, stacklevel=2,
+                )
         else:
-            self._steps = self._fixes = 0
+            self._steps = self._fixes = self.nonfinite_steps = 0
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -351,6 +375,7 @@ class GaugeProjected(torch.optim.Optimizer):
             "projector_kwargs": self.projector_kwargs,
             "_steps": self._steps,
             "_fixes": self._fixes,
+            "nonfinite_steps": self.nonfinite_steps,
             "_last": self._last,
         }
 

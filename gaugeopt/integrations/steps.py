@@ -33,8 +33,8 @@ Example:
     >>> x = torch.randint(0, 64, (2, 16))
     >>> for _ in range(4):
     ...     model(x, x)[1].backward(); opt.step(); opt.zero_grad()
-    >>> fix.state_dict(), gaugeopt.qk_drift(model) < 1e-6, sorted(fix.pop_metrics())[:2]
-    ({'optimizer_steps': 4, 'fixes': 2}, True, ['gauge/fixes', 'gauge/heads_fixed'])
+    >>> fix.state_dict(), gaugeopt.qk_drift(model) < 1e-6, sorted(fix.pop_metrics())[:3]
+    ({'optimizer_steps': 4, 'fixes': 2}, True, ['gauge/certificate/weakest_control', 'gauge/certificate/worst_valid', 'gauge/fixes'])
 """
 
 from __future__ import annotations
@@ -47,11 +47,10 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
-from gaugeopt.fix.plan import check_choice, check_fix_options
+from gaugeopt.fix.plan import check_choice, check_fix_options, plan_pairs
 from gaugeopt.fix.transport import inner_optimizer, wrapped_chain
-from gaugeopt.structure.certificate import CallRecorder, CertificateReport, certify_calls
-from gaugeopt.structure.certified import is_certified, require_certified
-from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure.certificate import CertificateReport
+from gaugeopt.structure.gate import Gate
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["check_every", "owning_optimizer", "StepCounter", "FixSteps", "ProjectSteps"]
@@ -121,10 +120,10 @@ class StepCounter:
         every: act after optimizer steps ``every, 2·every, ...``.
         sites: attention sites (default: ``find_attention(model)`` at :meth:`bind`).
         prefix: prefix of the metric names.
-        certify: certify records no built-in adapter verifies on the first training batch
-            (:meth:`begin_certificate` when the batch starts, :meth:`finish_certificate` before the
-            first action); ``False`` refuses such records at :meth:`bind` unless the model was
-            certified already (:func:`gaugeopt.certify`).
+        certify: prove the records automatically — at :meth:`bind` on an input gaugeopt makes up for
+            the models it knows, else on the first training batch (:meth:`begin_certificate` when the
+            batch starts, :meth:`finish_certificate` before the first action); ``False`` refuses
+            records at :meth:`bind` unless the model was proved already (:func:`gaugeopt.certify`).
     """
 
     every: int
@@ -139,7 +138,7 @@ class StepCounter:
             raise GaugeError(f"certify={certify!r} must be True or False")
         self.certify = certify
         self.certificate: CertificateReport | None = None
-        self._recorder: CallRecorder | None = None
+        self._gate: Gate | None = None
         self.every = check_every(every)
         self._given_sites = None if sites is None else list(sites)
         self.prefix = prefix
@@ -157,11 +156,13 @@ class StepCounter:
 
     # -- wiring ----------------------------------------------------------------------------
     def bind(self, model: nn.Module) -> None:
-        """Find ``model``'s attention sites (unless given) and validate the options against them."""
+        """Pass ``model``'s attention records (or the ``sites`` given) through the gate
+        (:class:`~gaugeopt.structure.gate.Gate`: checked, and proved now or on the first training
+        batch) and validate the options against them."""
         self._module = model
-        self.sites = self._given_sites if self._given_sites is not None else find_attention(model)
-        if not self.certify:
-            require_certified(self.sites, f"{type(self).__name__}(certify=False)")
+        self._gate = Gate(model, type(self).__name__, sites=self._given_sites, automatic=self.certify)
+        self.sites = self._gate.sites
+        self._take_certificate()
         self._validate(self.sites)
 
     def _validate(self, sites: list[AttentionSite]) -> None:
@@ -190,11 +191,8 @@ class StepCounter:
             ]
 
     def detach(self) -> None:
-        """Remove the step hooks (and a call recorder left open)."""
+        """Remove the step hooks."""
         self._unhook()
-        if self._recorder is not None:
-            self._recorder.close()
-            self._recorder = None
         if self._optimizer is not None and self in _ATTACHED.get(self._optimizer, ()):
             _ATTACHED[self._optimizer].remove(self)
 
@@ -214,27 +212,30 @@ class StepCounter:
         return self
 
     # -- the certificate -------------------------------------------------------------------
-    def _uncertified(self) -> list[AttentionSite]:
-        return [s for s in self.sites if not is_certified(s)]
-
     def begin_certificate(self) -> None:
         """At the start of a training batch: record the real calls of the attention modules whose
-        records still need a certificate (once; nothing to do for built-in adapters)."""
-        if self.certify and self._recorder is None and self.certificate is None and self._uncertified():
-            self._recorder = CallRecorder(self._uncertified())
+        records still need a proof (nothing to do once they are proved)."""
+        if self.certify and self._gate is not None:
+            self._gate.record_next_forward()
 
     def finish_certificate(self) -> None:
-        """Before the first action: certify the records on the calls recorded since
-        :meth:`begin_certificate`; a record that fails raises :class:`GaugeError` naming the layer
-        and the sector. Another counter's certificate of the same records counts."""
-        if self._recorder is None:
+        """Before every action: re-check the records (:meth:`Gate.ensure`, a few lookups when nothing
+        changed) — proving them on the calls recorded since :meth:`begin_certificate` the first time,
+        finding, checking and proving them again after model surgery. A record that fails raises
+        :class:`GaugeError` naming the layer and the sector."""
+        if self._gate is None:
             return
-        recorder, self._recorder = self._recorder, None
-        recorder.close()
-        todo = self._uncertified()
-        if todo:
-            self.certificate = certify_calls(todo, recorder.calls)
-            self._pending.update({f"{self.prefix}{k}": v for k, v in self.certificate.as_dict().items()})
+        changed = self._gate.ensure()
+        self._take_certificate()
+        if changed:
+            self.sites = self._gate.sites
+            self._validate(self.sites)
+
+    def _take_certificate(self) -> None:
+        report = self._gate.certificate
+        if report is not None and report is not self.certificate:
+            self.certificate = report
+            self._pending.update({f"{self.prefix}{k}": v for k, v in report.as_dict().items()})
 
     # -- the hooks -------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs) -> None:
@@ -315,14 +316,16 @@ class FixSteps(StepCounter):
         self._fixer: GaugeFixer | None = None
 
     def _validate(self, sites: list[AttentionSite]) -> None:
-        GaugeFixer(None, None, sites=sites, **{**self.options, "transport_state": False})  # plans, refusals
+        opts = self.options
+        plan_pairs(sites, kinds=("qk", "vo") if opts["vo"] else ("qk",), granularity=opts["granularity"],
+                   vo_granularity=opts["vo_granularity"], mode=opts["mode"])  # the refusals, now
         self._fixer = None  # bound to (new) sites: plan again at the first fix
 
     def _fixer_for(self, optimizer) -> GaugeFixer:
         """One :class:`~gaugeopt.fix.gaugefix.GaugeFixer` per optimizer: planned once, kernel tables reused."""
         want = optimizer if self.options["transport_state"] else None
         if self._fixer is None or self._fixer.optimizer is not want:
-            self._fixer = GaugeFixer(None, want, sites=self.sites, **self.options)
+            self._fixer = GaugeFixer(self._module, want, sites=self.sites, **self.options)
         return self._fixer
 
     def check_conflicts(self, optimizers) -> None:
@@ -405,7 +408,8 @@ class ProjectSteps(StepCounter):
         from gaugeopt.projection.projector import GaugeProjector
 
         # sites=None unless given: "auto" then also covers every LRM layer's internal rescalings
-        self.projector = GaugeProjector(self._module, self.sectors, self.mode, sites=self._given_sites, **self.projector_kwargs)
+        self.projector = GaugeProjector(self._module, self.sectors, self.mode, sites=self._given_sites,
+                                        trainable_only=True, **self.projector_kwargs)
 
     def watched_params(self) -> list[torch.Tensor]:
         named = dict(self._module.named_parameters())

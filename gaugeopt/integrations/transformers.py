@@ -20,10 +20,12 @@ and act only when a step was really taken, right after it and before gradients a
 
 **Logging.** After a step with an action the callback sets ``control.should_log``, so the Trainer
 writes its log record for that step, and adds its metrics to that record in ``on_log``: to the
-``logs`` every later ``on_log`` receives and to ``trainer.state.log_history``. The Trainer calls
-the ``report_to`` integrations (W&B, TensorBoard, ...) *before* the callbacks you pass, and gives
-a callback no handle on itself; to have them receive the gauge metrics, list the integration
-after the gauge callback: ``report_to="none", callbacks=[GaugeFixCallback(every=100), WandbCallback()]``.
+``logs`` every later ``on_log`` receives and to ``trainer.state.log_history``. At
+``on_train_begin`` it moves itself ahead of the other callbacks in the Trainer's list (behind the
+flow control only), so the ``report_to`` integrations (W&B, TensorBoard, ...) — which the Trainer
+lists first — and any callback you pass receive the gauge metrics, also after a resume that
+rebuilt the callback from its checkpoint (``restore_callback_states_from_checkpoint=True``, which
+appends it last).
 
 **Checkpoints.** Both are ``ExportableState`` callbacks: the Trainer stores their counters in each
 checkpoint's ``trainer_state.json`` (``stateful_callbacks``); on ``train(resume_from_checkpoint=...)``
@@ -46,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Sequence
 
 from transformers import TrainerCallback
@@ -55,6 +58,26 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizer
 
 __all__ = ["GaugeFixCallback", "GaugeProjectionCallback"]
+
+
+def _log_before_the_loggers(callback: TrainerCallback, frame) -> None:
+    """Move ``callback`` ahead of every other callback but the flow control in the Trainer's list.
+
+    ``on_log`` runs the callbacks in list order, and a callback adds its metrics to the ``logs``
+    the later ones receive; the ``report_to`` integrations (W&B, TensorBoard, ...) come first, and a
+    callback rebuilt from a checkpoint (``restore_callback_states_from_checkpoint``) is appended
+    last — both would log the record before the gauge metrics are in it. The Trainer gives a
+    callback no handle on its list, so the list is taken from the ``CallbackHandler.call_event``
+    frame that called ``on_train_begin``; moving the running callback *earlier* in the list it is
+    iterating skips and repeats nothing. Without that frame (another caller), nothing moves.
+    """
+    handler = frame.f_locals.get("self") if frame is not None else None
+    callbacks = getattr(handler, "callbacks", None)
+    if type(handler).__name__ != "CallbackHandler" or not isinstance(callbacks, list) or callback not in callbacks:
+        return
+    callbacks.remove(callback)
+    first = next((i for i, c in enumerate(callbacks) if type(c).__name__ != "DefaultFlowCallback"), len(callbacks))
+    callbacks.insert(first, callback)
 
 
 def _json_args(who: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -86,9 +109,11 @@ class _TrainerSide(TrainerCallback, ExportableState):
             self.bind(model)
         self.check_conflicts(optimizer)
         self.attach(owning_optimizer(optimizer, self.watched_params(), type(self).__name__))
+        _log_before_the_loggers(self, sys._getframe(1))
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.begin_certificate()  # records of no built-in adapter: certified on this step's forward
+        self.begin_certificate()  # the records' proof, on this step's forward, where gaugeopt needs one
+
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._pending:

@@ -123,7 +123,7 @@ from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.projection.bias import BiasShiftSector
 from gaugeopt.projection.multipliers import DiagonalSector, InternalSector
 from gaugeopt.projection.dense import DenseSector
-from gaugeopt.structure.certified import require_certified
+from gaugeopt.structure.gate import Gate
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.projection.sylvester import default_cg_tol, default_rtol
@@ -302,6 +302,7 @@ class GaugeProjector:
         joint_maxiter: int = 500,
         approx_iters: int = 4,
         backend: str = "auto",
+        trainable_only: bool = False,
     ) -> None:
         dispatch.requested_backend(backend)  # validates the argument and GAUGEOPT_BACKEND now
         self.backend = backend
@@ -311,23 +312,30 @@ class GaugeProjector:
         self.model, self.mode, self.approx_iters = model, mode, approx_iters
         self.rtol, self.dtype, self.cg_tol, self.cg_maxiter = rtol, dtype, cg_tol, cg_maxiter
         self.joint_tol, self.joint_maxiter = joint_tol, joint_maxiter
+        if not isinstance(trainable_only, bool):
+            raise GaugeError(f"GaugeProjector: trainable_only={trainable_only!r} must be True or False")
         self._params: dict[str, torch.Tensor] = dict(model.named_parameters())
         self._order = list(self._params)
         pname = {id(p): n for n, p in self._params.items()}
-        self.sites = list(find_attention(model) if sites is None else sites)
+        self._gate = Gate(model, "GaugeProjector", sites=sites)
+        self.sites = self._gate.sites
         lrm_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, LRMLinear)]
         if sites is not None:
             owners = {id(ref.owner) for s in self.sites for _, ref in s.refs()}
             lrm_modules = [(n, m) for n, m in lrm_modules if id(m) in owners or any(id(p) in owners for p in m.parameters())]
+        self.frozen: list[str] = []  # (sector, unit) pairs left out because they would move a frozen tensor
+        keep = self._trainable if trainable_only else (lambda kind, units, make: units)
+        dense = [s for s in self.sites if s.qk_norm is None]
         impl = {
-            "qk": DenseSector("qk", [s for s in self.sites if s.qk_norm is None], approx_iters=approx_iters),
-            "vo": DenseSector("vo", self.sites, approx_iters=approx_iters),
-            "lrm_qk": DiagonalSector("lrm_qk", self.sites),
-            "lrm_vo": DiagonalSector("lrm_vo", self.sites),
-            "lrm_internal": InternalSector(lrm_modules, pname),
-            "qk_gain": DiagonalSector("qk_gain", self.sites),
-            "key_bias": BiasShiftSector("key_bias", self.sites),
-            "value_bias": BiasShiftSector("value_bias", self.sites),
+            "qk": DenseSector("qk", keep("qk", dense, lambda u: DenseSector("qk", u)), approx_iters=approx_iters),
+            "vo": DenseSector("vo", keep("vo", self.sites, lambda u: DenseSector("vo", u)), approx_iters=approx_iters),
+            "lrm_qk": DiagonalSector("lrm_qk", keep("lrm_qk", self.sites, lambda u: DiagonalSector("lrm_qk", u))),
+            "lrm_vo": DiagonalSector("lrm_vo", keep("lrm_vo", self.sites, lambda u: DiagonalSector("lrm_vo", u))),
+            "lrm_internal": InternalSector(keep("lrm_internal", lrm_modules, lambda u: InternalSector(u, pname)), pname),
+            "qk_gain": DiagonalSector("qk_gain", keep("qk_gain", self.sites, lambda u: DiagonalSector("qk_gain", u))),
+            "key_bias": BiasShiftSector("key_bias", keep("key_bias", self.sites, lambda u: BiasShiftSector("key_bias", u))),
+            "value_bias": BiasShiftSector("value_bias",
+                                          keep("value_bias", self.sites, lambda u: BiasShiftSector("value_bias", u))),
         }
         available = tuple(k for k in SECTORS if impl[k].units())
         if sectors == "all":
@@ -379,11 +387,36 @@ class GaugeProjector:
         """Unit names of a sector: attention site names, or LRM layer names for ``lrm_internal``."""
         return self._impl[sector].units()
 
+    def _trainable(self, kind: str, units: list, make) -> list:
+        """The units (sites, or LRM layers) of sector ``kind`` none of whose tensors is frozen."""
+        kept = []
+        for u in units:
+            try:
+                names = _names_of(make([u]))
+            except GaugeError:  # the unit has no such sector: nothing to leave out
+                kept.append(u)
+                continue
+            frozen = [n for n in names if n in self._params and not self._params[n].requires_grad]
+            if frozen:
+                self.frozen.append(f"{kind} of {u.name if hasattr(u, 'name') else u[0]} ({', '.join(frozen[:3])})")
+            else:
+                kept.append(u)
+        return kept
+
+    @property
+    def gate(self):
+        """The :class:`~gaugeopt.structure.gate.Gate` the records passed (``gate.ensure()`` re-checks them)."""
+        return self._gate
+
     def _require_certified(self) -> None:
-        """Projected directions are only as right as the records: refuse an uncertified one."""
-        if not getattr(self, "_certified", False):
-            require_certified(self.sites, "GaugeProjector")
-            self._certified = True
+        """Projected directions are only as right as the records: every use re-checks them
+        (:meth:`Gate.ensure`); records that changed since the projector was built are an error here —
+        :class:`gaugeopt.GaugeProjected` and the callbacks build a new projector instead."""
+        if self._gate.ensure():
+            raise GaugeError(
+                "GaugeProjector: the model's attention changed since this projector was built (a layer replaced or "
+                "added, a record that differs); build a new GaugeProjector(model, ...)"
+            )
 
     def _resolve(self, sectors) -> tuple[str, ...]:
         if sectors is None:

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Mapping
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn as nn
 
 from gaugeopt.projection.projector import GaugeProjector
 
-__all__ = ["snapshot", "remove_vertical_update_", "remove_vertical_grad_", "squared_norms", "vertical_fraction_of"]
+__all__ = ["all_finite", "snapshot", "remove_vertical_update_", "remove_vertical_grad_", "squared_norms", "vertical_fraction_of"]
 
 
 def squared_norms(vertical: Mapping[str, torch.Tensor], field: Mapping[str, torch.Tensor | None]):
@@ -44,9 +45,27 @@ def _sq(t: torch.Tensor) -> torch.Tensor:
 
 
 def vertical_fraction_of(norms) -> float:
-    """``sqrt(v / tot)`` from :func:`squared_norms` (``0.0`` for a zero field)."""
+    """``sqrt(v / tot)`` from :func:`squared_norms` (``0.0`` for a zero field, ``nan`` for a step that
+    was not projected: ``norms`` is ``None`` or not finite)."""
+    if norms is None:
+        return math.nan
     v, tot = (float(x) for x in norms)
+    if not (math.isfinite(v) and math.isfinite(tot)):
+        return math.nan
     return math.sqrt(v / tot) if tot > 0 else 0.0
+
+
+def all_finite(tensors) -> bool:
+    """Whether every entry of every tensor is finite (one host synchronisation)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+_NONFINITE = (
+    "gaugeopt: a projected step met a NaN or infinite value in the gauge parameters, their update or their gradients; "
+    "the step was left as the optimizer took it (not projected), so the non-finite entries do not spread through "
+    "the projection. The wrapper's nonfinite_steps counts such steps"
+)
 
 
 def snapshot(proj: GaugeProjector, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -57,9 +76,13 @@ def snapshot(proj: GaugeProjector, model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def remove_vertical_update_(proj: GaugeProjector, model: nn.Module, before: dict[str, torch.Tensor]):
-    """``θ ← θ − Π_vert(θ − θ_old)`` at ``θ_old = before``; returns :func:`squared_norms` of ``Δ``."""
+    """``θ ← θ − Π_vert(θ − θ_old)`` at ``θ_old = before``; returns :func:`squared_norms` of ``Δ``, or
+    ``None`` (with a warning, nothing changed) when ``Δ`` or ``θ_old`` holds a NaN or an infinity."""
     params = dict(model.named_parameters())
     delta = {n: params[n].detach() - before[n] for n in before}
+    if not all_finite([*delta.values(), *before.values()]):
+        warnings.warn(_NONFINITE, RuntimeWarning, stacklevel=3)
+        return None
     vert = proj.vertical(delta, at=before)
     for n, v in vert.items():
         params[n].sub_(v.to(params[n].dtype))
@@ -68,9 +91,13 @@ def remove_vertical_update_(proj: GaugeProjector, model: nn.Module, before: dict
 
 @torch.no_grad()
 def remove_vertical_grad_(proj: GaugeProjector, model: nn.Module):
-    """``g ← g − Π_vert(g)`` for the gauge parameters' gradients; returns :func:`squared_norms` of ``g``."""
+    """``g ← g − Π_vert(g)`` for the gauge parameters' gradients; returns :func:`squared_norms` of ``g``, or
+    ``None`` (with a warning, nothing changed) when a gradient or a parameter holds a NaN or an infinity."""
     params = dict(model.named_parameters())
     grads = {n: params[n].grad for n in proj.param_names()}
+    if not all_finite([*grads.values(), *(params[n].detach() for n in grads)]):
+        warnings.warn(_NONFINITE, RuntimeWarning, stacklevel=3)
+        return None
     vert = proj.vertical(grads)
     norms = squared_norms(vert, grads)  # of g itself: the loop below updates these tensors in place
     for n, v in vert.items():

@@ -53,8 +53,7 @@ from gaugeopt.structure.bias import BIAS_SECTORS, missing_reason
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant
 from gaugeopt.structure.site import AttentionSite
-from gaugeopt.structure.certified import require_certified
-from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure.gate import trusted_sites
 
 __all__ = [
     "act_qk",
@@ -337,10 +336,6 @@ def _expect(x: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
         raise GaugeError(f"{what} has shape {tuple(x.shape)}, expected {shape}")
 
 
-def _sites(model: nn.Module, sites) -> list[AttentionSite]:
-    return find_attention(model) if sites is None else list(sites)
-
-
 def as_generator(generator: torch.Generator | int | None, what: str) -> torch.Generator | None:
     """A ``torch.Generator`` from a generator, an integer seed or ``None``."""
     if generator is None or isinstance(generator, torch.Generator):
@@ -374,7 +369,7 @@ def _site_kinds(site: AttentionSite, kinds: tuple[str, ...], explicit: bool, wha
 
 def random_gauge_transform(
     model: nn.Module,
-    kinds: Sequence[str] | str = ("qk", "vo", "perm"),
+    kinds: Sequence[str] | str | None = None,
     generator: torch.Generator | int | None = None,
     *,
     sites: Sequence[AttentionSite] | None = None,
@@ -383,13 +378,13 @@ def random_gauge_transform(
     """Apply a random valid gauge transformation to every attention layer, in place.
 
     Elements are well conditioned (singular values in ``[e^{-s}, e^{s}]``, ``s = log_scale``)
-    so the transformed model computes the same function to a few ulps. A layer whose record
-    comes from an adapter the test suite has not verified must be certified first
-    (:func:`gaugeopt.certify`).
+    so the transformed model computes the same function to a few ulps. The records pass the gate
+    first (:mod:`gaugeopt.structure.gate`): checked, and proved on the model as it is now.
 
     Args:
         model: the model (modified and returned).
-        kinds: any of ``"qk"`` (``GL(d_k)`` per KV group, restricted to the RoPE commutant),
+        kinds: ``None`` (default): each layer's own Q/K gauge (``"qk"``, or ``"qk_gain"`` under a
+            QK-norm), ``"vo"`` and ``"perm"``; or any of ``"qk"`` (``GL(d_k)`` per KV group, restricted to the RoPE commutant),
             ``"vo"`` (``GL(d_v)``), ``"perm"`` (head permutations, in the layers whose heads may be
             permuted: not under ALiBi or T5's relative bias), ``"lrm_qk"``, ``"lrm_vo"``
             (diagonal multiplier gauges), ``"lrm_internal"`` (every LRM layer's internal
@@ -405,11 +400,12 @@ def random_gauge_transform(
         ``model``.
     """
     generator = as_generator(generator, "random_gauge_transform")
-    sites = _sites(model, sites)
-    require_certified(sites, "random_gauge_transform")
+    sites = trusted_sites(model, "random_gauge_transform", sites=sites)
     has_lrm = any(isinstance(m, LRMLinear) for m in model.modules())
-    explicit = kinds != "all"
-    if kinds == "all":
+    explicit = kinds not in ("all", None)
+    if kinds is None:
+        kinds = ("qk", "qk_gain", "vo", "perm")
+    elif kinds == "all":
         kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm", "qk_gain", *BIAS_KINDS)
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     bad = [k for k in kinds if k not in VALID_KINDS]
@@ -556,8 +552,7 @@ def invalid_gauge_transform(
     """
     if kind not in INVALID_KINDS:
         raise GaugeError(f"invalid_gauge_transform: kind={kind!r} is not one of {INVALID_KINDS}")
-    sites = _invalid_sites(_sites(model, sites), kind)
-    require_certified(sites, "invalid_gauge_transform")
+    sites = _invalid_sites(trusted_sites(model, "invalid_gauge_transform", sites=sites), kind)
     g = as_generator(generator, "invalid_gauge_transform")
     for site in sites:
         apply_invalid(site, kind, g, log_scale=log_scale)

@@ -223,11 +223,38 @@ def apply_lrm(
                 "attention's projections plain)"
             )
     for name, module in replacements:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, LRMLinear.from_linear(module, layouts.get(id(module))))
+        legacy = [type(h).__qualname__ for h in module._forward_pre_hooks.values()
+                  if type(h).__qualname__ in ("WeightNorm", "SpectralNorm")]
+        if legacy:
+            raise GaugeError(
+                f"apply_lrm: {name} carries a legacy {legacy[0]} hook (torch.nn.utils.{legacy[0].lower()[:-4]}_norm), "
+                "which recomputes its weight before every forward; a multiplier layer cannot take it over. Remove it "
+                "first, or leave the layer plain with include=lambda n, m: n != " + repr(name)
+            )
+    paths: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(name)
+    for name, module in replacements:
+        new = LRMLinear.from_linear(module, layouts.get(id(module)))
+        _carry_hooks(module, new)
+        for path in paths[id(module)]:  # a module used at several places stays one module
+            parent_name, _, attr = path.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, new)
     _disable_fused_fast_paths(model)
     return model
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
+
+
+def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Move ``old``'s forward and backward hooks onto ``new``, which computes the same outputs from the
+    same inputs: the dictionaries themselves move, so the users' ``RemovableHandle`` s still remove them."""
+    for attr in _HOOK_DICTS:
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
 
 
 def _disable_fused_fast_paths(model: nn.Module) -> None:

@@ -106,7 +106,7 @@ from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.pair import query_rows
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
-from gaugeopt.structure.certified import require_certified
+from gaugeopt.structure.gate import trusted_sites
 from gaugeopt.structure.registry import find_attention
 
 __all__ = [
@@ -644,13 +644,12 @@ def canonicalize(
         GaugeError: unknown section/residual/biases, a rank-deficient projection, or a LayerNorm QK-norm.
     """
     _check_args(section, residual, biases)
-    for site in find_attention(model):
+    for site in trusted_sites(model, "canonicalize"):  # proved on the model: copies carry the proof
         refuse_layer_norm(site, "canonicalize")
     target = model if inplace else copy.deepcopy(model)
     if fold_multipliers:
         fold_lrm_multipliers(target)
-    sites = find_attention(target)
-    require_certified(sites, "canonicalize")
+    sites = trusted_sites(target, "canonicalize")
     if rank_rtol is None:
         dtype = sites[0].q.weight.param.dtype
         rank_rtol = min(1e3 * torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps, 1e-4)

@@ -149,9 +149,9 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
     families qwen3, olmo2, gemma3_text (``gemma3``: its ``text_config``).
     """
     if isinstance(model_or_config, nn.Module):
-        from gaugeopt.structure.registry import find_attention
+        from gaugeopt.structure.gate import trusted_sites
 
-        return [_site_shape(s) for s in find_attention(model_or_config)]
+        return [_site_shape(s) for s in trusted_sites(model_or_config, "gauge_dimension")]
     cfg = model_or_config
     from gaugeopt.models.gpt import GPTConfig
 

@@ -92,6 +92,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
+from gaugeopt.structure.gate import trusted_sites
 from gaugeopt.structure.registry import find_attention
 
 __all__ = [
@@ -342,7 +343,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, tol: float = 1e-8) -> Equiva
     """
     if not tol >= 0:
         raise GaugeError(f"compare: tol={tol!r} must be a non-negative number")
-    sites_a, sites_b = find_attention(model_a), find_attention(model_b)
+    sites_a, sites_b = trusted_sites(model_a, "equivalent"), trusted_sites(model_b, "equivalent")
     inert_a, inert_b = inert_tensors(model_a, sites_a), inert_tensors(model_b, sites_b)
     sig_a, sig_b = _signature(sites_a, inert_a), _signature(sites_b, inert_b)
     if sig_a != sig_b:
@@ -427,7 +428,7 @@ class SpectralFingerprint:
 @torch.no_grad()
 def spectral_fingerprint(model: nn.Module) -> SpectralFingerprint:
     """The :class:`SpectralFingerprint` of ``model`` (float64; the model is not modified)."""
-    sites = find_attention(model)
+    sites = trusted_sites(model, "spectral_fingerprint")
     inert = inert_tensors(model, sites)
     spectra = []
     for site in sites:
