@@ -177,6 +177,7 @@ def test_one_launch_per_dtype_group(monkeypatch):
     assert launches == [4]  # 2 layers x (Q/K, V/O) in one launch
     launches.clear()
     mixed = odd_gpt(lrm=True, dtype=torch.float64)
+    gaugeopt.certify(mixed, torch.randint(0, 29, (1, 8)))  # proved before the cast: a mixed model cannot run
     mixed.transformer.h[1].to(torch.float32)
     opt = _setup(mixed)
     (m1, o1, r1), (m2, o2, r2) = _both(mixed, opt)

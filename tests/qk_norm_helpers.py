@@ -35,9 +35,11 @@ def float64_norms():
     from transformers.models.olmo2 import modeling_olmo2 as mo
     from transformers.models.qwen3 import modeling_qwen3 as mq
 
+    @gaugeopt.accept_patch  # the same formulas in the input's dtype: the certificate proves them as they run
     def rms(self, x):  # Qwen3RMSNorm / Olmo2RMSNorm: weight · x / sqrt(mean x² + ε)
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
+    @gaugeopt.accept_patch
     def gemma(self, x):  # Gemma3RMSNorm: (1 + weight) · x / sqrt(mean x² + ε)
         return self._norm(x) * (1.0 + self.weight)
 

@@ -43,10 +43,18 @@ def _lm(seed=0) -> tuple[nn.Module, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------- a correct user adapter
+class _BatchLM(MyLM):
+    """MyLM fed a dict: gaugeopt cannot make an input for it, so its proofs need a batch."""
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return super().forward(batch["tokens"])
+
+
 def test_user_adapter_is_refused_until_certified_then_used_exactly(register):
     register(MyAttention, SPEC)
-    model, x = _lm()
-    model = gaugeopt.apply_lrm(model).double()
+    torch.manual_seed(0)
+    model = gaugeopt.apply_lrm(_BatchLM()).double()
+    x = {"tokens": torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))}
     randomize_parameters(model, torch.Generator().manual_seed(1))
     sites = gaugeopt.find_attention(model)
     assert [(s.verified, s.h, s.h_kv, s.rope.kind, s.rope.rotary_dim) for s in sites] == [(False, 4, 2, "split_half", 4)] * 2
@@ -56,11 +64,15 @@ def test_user_adapter_is_refused_until_certified_then_used_exactly(register):
         "GaugeProjector": lambda: gaugeopt.GaugeProjector(model).vertical({n: torch.ones_like(p) for n, p in model.named_parameters()}),
         "random_gauge_transform": lambda: gaugeopt.random_gauge_transform(copy.deepcopy(model)),
         "canonicalize": lambda: gaugeopt.canonicalize(model),
+        "gauge_dimension": lambda: gaugeopt.gauge_dimension(model),
+        "equivalent": lambda: gaugeopt.equivalent(model, copy.deepcopy(model)),
     }
+    before_params = [p.detach().clone() for p in model.parameters()]
     for what, call in refusals.items():
-        with pytest.raises(GaugeError, match="not verified") as err:
+        with pytest.raises(GaugeError, match="no proof for the model as it is now") as err:
             call()
-        assert CERTIFY_HINT in str(err.value) and what in str(err.value)
+        assert CERTIFY_HINT in str(err.value) and what in str(err.value) and "no example input" in str(err.value)
+    assert all(torch.equal(a, p) for a, p in zip(before_params, model.parameters())), "a refusal writes nothing"
 
     report = gaugeopt.certify(model, x)
     assert [sorted(layer.sectors) for layer in report.layers] == [["key_bias", "lrm_internal", "lrm_qk", "lrm_vo", "perm", "qk", "value_bias", "vo"]] * 2  # MyAttention: biases, partial RoPE
@@ -79,14 +91,36 @@ def test_user_adapter_is_refused_until_certified_then_used_exactly(register):
     assert gaugeopt.relative_change(before, moved(x)) < 1e-12
 
 
-def test_certificate_travels_with_copies_and_expires_when_the_record_changes(register):
+def test_user_adapter_on_a_model_gaugeopt_can_run_is_proved_automatically(register):
+    """A token model (forward(idx), an nn.Embedding): the gate makes up an input and proves the records
+    itself — a right spec is then used exactly, a wrong one refused with the certificate's message."""
     register(MyAttention, SPEC)
     model, x = _lm()
+    model = model.double()
+    randomize_parameters(model, torch.Generator().manual_seed(1))
+    assert not any(is_certified(s) for s in gaugeopt.find_attention(model))
+    before = model(x)
+    moved = gaugeopt.random_gauge_transform(copy.deepcopy(model), "all", generator=1)
+    assert gaugeopt.relative_change(before, moved(x)) < 1e-12
+    assert all(is_certified(s) for s in gaugeopt.find_attention(moved))  # the proof is stamped on the modules
+
+    register(MyAttention, dataclasses.replace(SPEC, rope=lambda m: gaugeopt.RopeSpec("interleaved", m.rotary)))
+    wrong, _ = _lm()
+    params = [p.detach().clone() for p in wrong.parameters()]
+    with pytest.raises(GaugeError, match=r"certify: layer blocks\.0\.attn \(spec\), sector qk: a valid gauge transformation"):
+        gaugeopt.gauge_fix(wrong)
+    assert all(torch.equal(a, p) for a, p in zip(params, wrong.parameters()))
+
+
+def test_certificate_travels_with_copies_and_expires_when_the_record_changes(register):
+    register(MyAttention, SPEC)
+    model = _BatchLM()
+    x = {"tokens": torch.randint(0, 32, (2, 12))}
     gaugeopt.certify(model, x)
     assert all(is_certified(s) for s in gaugeopt.find_attention(copy.deepcopy(model)))
     gaugeopt.apply_lrm(model)  # the records gain multipliers: what was proved no longer covers them
     assert not any(is_certified(s) for s in gaugeopt.find_attention(model))
-    with pytest.raises(GaugeError, match="not verified"):
+    with pytest.raises(GaugeError, match="no proof for the model as it is now"):
         gaugeopt.gauge_fix(model)
     gaugeopt.certify(model, x)
     assert gaugeopt.gauge_fix(model).max_drift_after < 1e-6
@@ -171,7 +205,7 @@ def test_a_user_spec_with_a_qk_norm_is_certified_on_its_gain_gauge(register):
     sites = gaugeopt.find_attention(model)
     assert sites[0].kind == "user" and sites[0].qk_norm is not None and not is_certified(sites[0])
     with pytest.raises(GaugeError, match="certify"):
-        gaugeopt.gauge_fix(model)
+        gaugeopt.gauge_fix(None, sites=[dataclasses.replace(sites[0], root=None)])  # records without their model
     report = certify_with(model.eval(), lambda m: forward(m, x))
     layer = report.layers[0]
     assert layer.sectors["qk_gain"].control_kind == "qk_under_norm" and layer.sectors["qk_gain"].control >= 1e-3

@@ -50,7 +50,10 @@ def test_model_and_config_agree_without_allocating():
 def test_lrm_adds_internal_rescalings():
     cfg = GPTConfig(n_layer=1, n_head=2, n_embd=8, vocab_size=16, block_size=8)
     with torch.device("meta"):
-        model = gaugeopt.apply_lrm(GPT(cfg))
+        unmade = gaugeopt.apply_lrm(GPT(cfg))
+    with pytest.raises(GaugeError, match=r"on the meta device .* pass its config: gaugeopt\.gauge_dimension\(config\)"):
+        gaugeopt.gauge_dimension(unmade)  # no values: nothing can be proved, and no raw crash either
+    model = gaugeopt.apply_lrm(GPT(cfg))
     parts = gaugeopt.gauge_dimension(model, per_symmetry=True)
     # c_attn: 3 blocks of (8 rows + 8 cols); c_proj 8+8; c_fc 32+8; mlp c_proj 8+32
     assert parts["lrm_internal"] == 3 * 16 + 16 + 40 + 40

@@ -121,8 +121,11 @@ def test_refusals_and_progress():
 
 
 def test_complete_count_refuses_what_it_does_not_describe():
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(1, 5, 8)
+    gaugeopt.certify(mha, x, x, x)  # a bare module: gaugeopt cannot make up its input
     with pytest.raises(GaugeError, match="no residual-stream description"):
-        gaugeopt.gauge_dimension(torch.nn.MultiheadAttention(8, 2), "complete")
+        gaugeopt.gauge_dimension(mha, "complete")
     with pytest.raises(GaugeError, match="model_type='qwen3'"):
         gaugeopt.gauge_dimension({"model_type": "qwen3", "num_hidden_layers": 1, "num_attention_heads": 2,
                                   "hidden_size": 8, "vocab_size": 11, "intermediate_size": 8}, "complete")

@@ -138,7 +138,13 @@ def test_negative_control_wrong_planes_change_the_function(wrong):
     for s in sites:
         s.rope = (gaugeopt.RopeSpec("interleaved", s.rope.rotary_dim) if wrong == "other_convention"
                   else gaugeopt.RopeSpec())
-    gauge_fix(model, granularity="plane", sites=sites)
+    params = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(gaugeopt.GaugeError, match=r"sector qk: a valid gauge transformation changed"):
+        gauge_fix(model, granularity="plane", sites=sites)  # the gate's proof catches the wrong planes
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    gaugeopt.assume_certified(model, sites=sites)  # past the gate on purpose: what it prevents
+    with pytest.warns(RuntimeWarning, match="assumed, not proved"):
+        gauge_fix(model, granularity="plane", sites=sites)
     assert gaugeopt.relative_change(case.logits(), case.logits(model)) > 1e-3
 
 

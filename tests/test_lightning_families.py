@@ -78,7 +78,8 @@ def test_litgpt_gqa_gaugefix_keeps_drift_at_zero():
         trainer(max_steps=STEPS, callbacks=[fix] if with_fix else []).fit(lit, token_loader(STEPS))
         drift[with_fix] = gaugeopt.qk_drift(lit.model)
         if with_fix:
-            assert fix.fixes == STEPS // EVERY and fix.certificate is None  # built-in adapter: verified, no certificate
+            assert fix.fixes == STEPS // EVERY  # a built-in adapter's records are proved too, at setup:
+            assert fix.certificate is not None and fix.certificate.worst_valid <= 1e-10
             assert fix.last_report.max_drift_before > 1e-4  # there was drift to remove at every fix
     assert drift[False] > 1e-3 and drift[True] <= 1e-6, drift
 
@@ -138,7 +139,7 @@ def test_wrong_user_attention_stops_the_run_before_any_step(register):
 def test_certify_false_refuses_uncertified_records_at_setup(register):
     register(MyAttention, SPEC)
     lit = LitLM(MyLM(vocab=VOCAB))
-    with pytest.raises(GaugeError, match=r"GaugeFix\(certify=False\): 2 attention layer\(s\)"):
+    with pytest.raises(GaugeError, match=r"GaugeFix: 2 attention layer\(s\) .*certify=False asks for a proof made beforehand"):
         trainer(max_steps=2, callbacks=[GaugeFix(every=1, certify=False)]).fit(lit, token_loader(2))
     x = next(iter(token_loader(1)))[0]
     gaugeopt.certify(lit.model, x)  # certified beforehand: accepted

@@ -134,7 +134,8 @@ def test_state_dict_round_trip_resumes_bit_identically():
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
     saved_own = opt.state_dict()["gauge_projected"]
-    assert saved_own == {"version": 1, "step": 4, "fixes": 1, "project": "update", "mode": "exact", "fix_every": 3, "sectors": "auto"}
+    assert saved_own == {"version": 1, "step": 4, "fixes": 1, "nonfinite_steps": 0, "project": "update", "mode": "exact",
+                         "fix_every": 3, "sectors": "auto"}
 
     model, opt, sched = make()
     buf.seek(0)
@@ -149,13 +150,15 @@ def test_state_dict_round_trip_resumes_bit_identically():
     assert opt.state_dict()["gauge_projected"]["fixes"] == 2  # steps 3 and 6
 
 
-def test_load_state_dict_restores_options_and_accepts_a_plain_inner_state():
+def test_load_state_dict_restores_counters_reports_option_conflicts_and_accepts_a_plain_inner_state():
     model = _model()
     opt = GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
     _train(model, opt, _batches(2))
     other = GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, project="grad", mode="approx")
-    other.load_state_dict(opt.state_dict())
-    assert (other.project, other.mode, other.state_dict()["gauge_projected"]["step"]) == ("update", "exact", 2)
+    with pytest.warns(RuntimeWarning, match=r"project: checkpoint 'update', constructor 'grad'; mode: checkpoint 'exact', "
+                                            r"constructor 'approx'\). The constructor's options are kept"):
+        other.load_state_dict(opt.state_dict())
+    assert (other.project, other.mode, other.state_dict()["gauge_projected"]["step"]) == ("grad", "approx", 2)
     plain = GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
     plain.load_state_dict(opt.optimizer.state_dict())
     assert plain.state_dict()["gauge_projected"]["step"] == 0

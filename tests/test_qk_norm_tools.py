@@ -219,7 +219,9 @@ def test_count_equals_jacobian_nullity_of_one_layer():
     randomize_parameters(layer, g)
     attn = layer[0]
     params = {k: v for k, v in attn.named_parameters() if k != "proj.bias"}
-    n, gap = _layer_nullity(attn, params, torch.randn(2, 40, d, generator=g, dtype=torch.float64))
+    x = torch.randn(2, 40, d, generator=g, dtype=torch.float64)
+    n, gap = _layer_nullity(attn, params, x)
+    gaugeopt.certify(layer, x)  # a bare layer: gaugeopt cannot make up its input
     counts = gaugeopt.gauge_dimension(layer, per_symmetry=True)
     assert n == sum(counts.values()) and gap > 1e4
     # gains per channel; each head's mean direction (rows and bias), one centred rotation, the key

@@ -140,8 +140,26 @@ def test_subclass_is_not_matched_by_parent_adapter():
 
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8))
     model.transformer.h[0].attn.__class__ = Scaled
-    with pytest.raises(GaugeError, match="look like attention"):
+    with pytest.raises(GaugeError, match=r"subclass a supported attention class.*Scaled, a subclass of "
+                                         r"gaugeopt\.models\.gpt\.CausalSelfAttention"):
         gaugeopt.find_attention(model)
+
+
+def test_a_subclass_is_refused_whatever_its_name_and_allow_unclaimed():
+    """A subclass under a name without "attn" used to be skipped silently; now it is refused, never skipped,
+    and allow_unclaimed (for modules that are not attention) does not waive it."""
+    from gaugeopt.models.gpt import CausalSelfAttention
+
+    class Mixer(CausalSelfAttention):
+        pass
+
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    model.transformer.h[1].attn.__class__ = Mixer
+    for allow in ((), ("transformer.h.1.attn",)):
+        with pytest.raises(GaugeError, match=r"transformer\.h\.1\.attn \(.*Mixer, a subclass of"):
+            gaugeopt.find_attention(model, allow_unclaimed=allow)
+        with pytest.raises(GaugeError, match="subclass"):
+            gaugeopt.gauge_fix(model)
 
 
 def test_wrapped_projection_is_refused():

@@ -80,6 +80,32 @@ def _resume_case(tmp_path, every: int, restore_flag: bool):
     return straight, full, resumed, again
 
 
+class Logger(transformers.TrainerCallback):
+    """A logging integration's stand-in: what its on_log receives."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.seen.append(dict(logs or {}))
+
+
+@pytest.mark.parametrize("restore_flag", [False, True])
+def test_loggers_listed_first_receive_the_metrics_also_after_a_restored_resume(tmp_path, restore_flag):
+    """A logger placed before the gauge callback (where the Trainer puts its report_to integrations),
+    and a resume that rebuilds the gauge callback from its checkpoint (appending it last): the logger
+    still receives gauge/* at every fix."""
+    def run(out, **kw):
+        log = Logger()
+        args = arguments(out, save_strategy="steps", save_steps=20, restore_callback_states_from_checkpoint=restore_flag)
+        t = trainer(tiny_llama(), args, callbacks=[log, GaugeFixCallback(every=20)])
+        t.train(**kw)
+        return [r["gauge/fixes"] for r in log.seen if "gauge/fixes" in r]
+
+    assert run(tmp_path / "full") == [1.0, 2.0, 3.0]
+    assert run(tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-40")) == [3.0]
+
+
 @pytest.mark.parametrize("every, restore_flag", [(20, False), (15, False), (15, True)])
 def test_resume_from_the_step_40_checkpoint_is_bit_identical(tmp_path, every, restore_flag):
     """A run resumed from checkpoint-40 ends with every parameter equal, bit for bit, to the

@@ -228,6 +228,7 @@ def float64_islands_removed():
         return
     saved = {cls: cls.__dict__["apply_rotary_emb"] for cls in (rope.ComplexRoPE, rope.CosSinRoPE)}
 
+    @gaugeopt.accept_patch  # the same rotation in the input's dtype: the certificate proves it as it runs
     def complex_rope(query, key, rope_cache):
         ct = torch.complex128 if query.dtype == torch.float64 else torch.complex64
         xq = torch.view_as_complex(query.to(ct.to_real()).reshape(*query.shape[:-1], -1, 2))
@@ -235,6 +236,7 @@ def float64_islands_removed():
         c = rope_cache.to(ct)
         return torch.view_as_real(xq * c).flatten(3).type_as(query), torch.view_as_real(xk * c).flatten(3).type_as(key)
 
+    @gaugeopt.accept_patch
     def cossin_rope(query, key, rope_cache):
         d = query.shape[-1]
         cos, sin = rope_cache[..., :d].to(query.dtype), rope_cache[..., d:].to(query.dtype)

@@ -1,0 +1,143 @@
+"""What trust costs: the one-time proof of a model's attention records, and the per-step re-check.
+
+Every gauge operation passes the gate (:mod:`gaugeopt.structure.gate`): static checks, then a proof
+of each record — one forward on a made-up input to record each attention module's call, then each
+layer rerun alone in float64 under random gauge transformations — once per model structure. Long-
+lived users (a fixer, a projector, a callback) then re-check a snapshot of what the records rely on
+before every use. This script measures, on one machine, side by side in one run:
+
+* ``proof``: :func:`gaugeopt.structure.gate.trusted_sites` on a freshly built model (records found,
+  static checks, the example forward, every layer certified) — the one-time cost;
+* ``static checks``: the checks alone, on the proved model (what a full gate pass costs again after
+  a change is detected);
+* ``re-check``: :meth:`Gate.ensure` when nothing changed (what every step pays), against one AdamW
+  step over the whole model (``foreach``, the CPU default) — the ratio is what matters.
+
+Models: GPT-2 124M (``gaugeopt.models.GPT``: 12 layers, 12 heads, width 768, vocabulary 50304) and
+a Llama-3.2-1B-shaped Hugging Face Llama (16 layers, 32 query / 8 key-value heads, width 2048,
+SwiGLU 8192, vocabulary 128256; float32, random weights — the proof does not look at the values).
+
+Run:
+    python benchmarks/trust_cost.py            # both models, ~3 min on 2 cores, ~12 GB
+    python benchmarks/trust_cost.py --quick    # tiny models, seconds (tests/test_benchmarks.py)
+
+Results: ``benchmarks/results/trust_cost_<machine>.md`` (and the table printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from gaugeopt.structure.gate import Gate, trusted_sites
+from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure.static_checks import static_problems
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def gpt2(quick: bool) -> nn.Module:
+    from gaugeopt.models import GPT, GPTConfig
+
+    if quick:
+        return GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=32))
+    return GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+
+
+def llama_1b(quick: bool) -> nn.Module:
+    import transformers
+
+    if quick:
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                       num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                       max_position_embeddings=131072, tie_word_embeddings=True)
+    cfg._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")  # values do not matter to the proof; skip the slow initialisation
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)  # its buffers, computed (not left empty)
+    with torch.no_grad():
+        for p in model.parameters():  # norm gains at 1, as initialised: the attention must see unit-RMS inputs
+            p.normal_(0.0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    return model.eval()
+
+
+def _clock() -> float:
+    return time.perf_counter()
+
+
+def measure(name: str, build, quick: bool, repeats: int) -> dict:
+    model = build(quick)
+    n_params = sum(p.numel() for p in model.parameters())
+    t0 = _clock()
+    sites = trusted_sites(model, "benchmark")
+    proof = _clock() - t0
+    t0 = _clock()
+    problems = static_problems(model, find_attention(model))
+    static = _clock() - t0
+    assert not problems, problems
+    gate = Gate(model, "benchmark")
+    ensure = []
+    for _ in range(repeats * 20):
+        t0 = _clock()
+        changed = gate.ensure()
+        ensure.append(_clock() - t0)
+        assert not changed
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    steps = []
+    for _ in range(repeats):
+        t0 = _clock()
+        opt.step()
+        steps.append(_clock() - t0)
+    del opt, model
+    gc.collect()
+    return {
+        "model": name, "params": n_params, "layers": len(sites), "proof_s": proof, "static_ms": 1e3 * static,
+        "ensure_us": 1e6 * statistics.median(ensure), "adamw_ms": 1e3 * statistics.median(steps),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| model | parameters | layers | one-time proof | static checks | re-check per step | AdamW step | re-check / AdamW |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['layers']} | {r['proof_s']:.2f} s | "
+                   f"{r['static_ms']:.1f} ms | {r['ensure_us']:.0f} µs | {r['adamw_ms']:.0f} ms | "
+                   f"{r['ensure_us'] / 1e3 / r['adamw_ms']:.1e} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None, help="where to write the markdown table")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    repeats = 3 if args.quick else 5
+    rows = [measure("GPT-2 124M", gpt2, args.quick, repeats), measure("Llama-3.2-1B shape", llama_1b, args.quick, repeats)]
+    text = table(rows)
+    machine = f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}"
+    report = f"# The cost of trust ({'quick' if args.quick else 'full'} run)\n\nMachine: {machine}.\n\n{text}\n"
+    print(report)
+    out = args.out or (None if args.quick else RESULTS / "trust_cost_cpu.md")
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
