@@ -471,3 +471,134 @@ def test_a_helper_patched_after_the_proof_is_caught_at_the_next_use(monkeypatch)
     patched_rope(model, monkeypatch)
     with pytest.raises(GaugeError, match="apply_rotary_pos_emb"):
         fixer()
+
+
+# ---------------------------------------------------------------------- frozen tensors, non-finite values, bf16
+from gaugeopt.models import GPT, GPTConfig  # noqa: E402
+
+
+def _gpt(lrm: bool = True, dtype=torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, rope="split_half"))
+    if lrm:
+        gaugeopt.apply_lrm(model)
+    model = model.to(dtype)
+    randomize_parameters(model, torch.Generator().manual_seed(0))
+    return model
+
+
+def _train(model, opt, steps: int = 3, hook=None) -> None:
+    x = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        loss = model(x, x)[1]
+        loss.backward()
+        if hook is not None:
+            hook(model)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_projected_wrapper_never_moves_frozen_tensors():
+    """requires_grad=False tensors handed to the optimizer anyway (the usual AdamW(model.parameters())):
+    bit-identical after projected steps; the projection leaves out the gauge directions through them.
+    Negative control: the projection of the same step over every direction moves them."""
+    model = _gpt()
+    frozen = {n: p for n, p in model.named_parameters() if n.startswith("transformer.h.0.attn.c_attn")}
+    for p in frozen.values():
+        p.requires_grad_(False)
+    before = {n: p.detach().clone() for n, p in frozen.items()}
+    opt = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2), model, sectors="all")
+    _train(model, opt)
+    assert all(torch.equal(before[n], p) for n, p in frozen.items())
+    assert any("transformer.h.0.attn" in f for f in opt.projector.frozen)
+    assert opt.last_vertical_fraction > 0.01  # the other layers were projected
+
+    from gaugeopt.projection.step import remove_vertical_update_, snapshot
+
+    everything = gaugeopt.GaugeProjector(model, "all")  # trainable_only=False: what the wrapper used to do
+    at = snapshot(everything, model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 1e-2)
+    remove_vertical_update_(everything, model, at)
+    assert any(not torch.equal(before[n], p) for n, p in frozen.items())
+
+
+def test_gauge_fix_leaves_frozen_pairs_unless_asked():
+    model = _gpt()
+    site = find_attention(model)[0]
+    with torch.no_grad():
+        site.q.row_mult.get().mul_(3.0)
+    site.q.row_mult.param.requires_grad_(False)
+    kept = site.q.row_mult.param.detach().clone()
+    report = gaugeopt.gauge_fix(model)
+    assert torch.equal(site.q.row_mult.param, kept) and report.frozen == [
+        "transformer.h.0.attn (qk: transformer.h.0.attn.c_attn.row_mults.0)"]
+    report = gaugeopt.gauge_fix(model, rescale_frozen=True)
+    assert not torch.equal(site.q.row_mult.param, kept) and report.max_drift_after < 1e-6
+
+
+def _nan_count(tensors) -> int:
+    return sum(int(torch.isnan(t).sum()) for t in tensors)
+
+
+def test_one_nan_gradient_entry_is_not_spread_by_the_projection():
+    """Plain AdamW turns one NaN gradient entry into one NaN weight; the projected wrapper must do no worse,
+    say so (warning, nonfinite_steps) and report the step's vertical fraction as NaN, not 0."""
+    def poison(model):
+        next(p for n, p in model.named_parameters() if "c_attn.weight" in n).grad[0, 0] = float("nan")
+
+    plain = _gpt(lrm=False)
+    wrapped = copy.deepcopy(plain)
+    _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), steps=1, hook=poison)
+    opt = gaugeopt.GaugeProjected(torch.optim.AdamW(wrapped.parameters(), lr=1e-2), wrapped)
+    with pytest.warns(RuntimeWarning, match="not projected"):
+        _train(wrapped, opt, steps=1, hook=poison)
+    assert _nan_count(plain.parameters()) == 1
+    assert _nan_count(wrapped.parameters()) == 1
+    assert opt.nonfinite_steps == 1 and opt.state_dict()["gauge_projected"]["nonfinite_steps"] == 1
+    assert opt.last_vertical_fraction != opt.last_vertical_fraction  # NaN
+
+
+def test_one_nan_weight_is_left_alone_by_gauge_fix():
+    """One NaN weight in a plain model: the fix leaves that slot alone (no NaN spreads to the head or to
+    Adam's state), warns and counts it; the other groups are fixed."""
+    model = _gpt(lrm=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, steps=2)
+    site = find_attention(model)[0]
+    with torch.no_grad():
+        site.q.weight.get()[0, 0, 0] = float("nan")
+    with pytest.raises(GaugeError, match="NaN or infinite values .* nothing can be proved"):
+        gaugeopt.gauge_fix(model, opt, mode="plain")  # not proved yet: a proof needs a finite forward
+    proved = _gpt(lrm=False)  # the same structure, proved while finite: the proof stamps travel with copies
+    gaugeopt.gauge_fix(proved)
+    model = copy.deepcopy(proved)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, steps=2)
+    site = find_attention(model)[0]
+    with torch.no_grad():
+        site.q.weight.get()[0, 0, 0] = float("nan")
+    states = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+    assert _nan_count(states) == 0
+    with pytest.warns(RuntimeWarning, match="NaN or infinite weight"):
+        report = gaugeopt.gauge_fix(model, opt, mode="plain")
+    assert _nan_count(model.parameters()) == 1 and _nan_count(states) == 0
+    assert report.nonfinite_groups == 1 and report.as_dict()["gaugefix/nonfinite_groups"] == 1.0
+    assert report.max_drift_after < 1e-6  # over the finite slots, every other group balanced
+
+
+def test_bf16_report_is_the_drift_of_the_stored_weights():
+    """A bf16 model: the drift the report gives after a fix is the one measured on the stored weights
+    (rounding to bf16 leaves ~1e-3, which a drift computed from the factors would hide)."""
+    model = _gpt(lrm=False, dtype=torch.bfloat16)
+    site = find_attention(model)[1]
+    with torch.no_grad():
+        site.q.weight.get().mul_(3.0)
+    report = gaugeopt.gauge_fix(model, mode="plain")
+    stored = gaugeopt.qk_drift(model, mode="plain", granularity="plane")
+    assert report.max_drift_before > 1.0
+    assert report.max_drift_after == pytest.approx(stored, rel=1e-5, abs=0.0)
+    assert report.max_drift_after > 1e-5  # what bf16 rounding leaves, not the factors' 1e-8
+    assert report.rounding_floor == torch.finfo(torch.bfloat16).eps and report.limited_by_rounding

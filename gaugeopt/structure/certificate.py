@@ -439,8 +439,35 @@ def _run(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
     return out
 
 
+def _floats(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from _floats(x)
+    elif isinstance(obj, Mapping):
+        for x in obj.values():
+            yield from _floats(x)
+
+
+def _require_finite(site: AttentionSite, call: Call) -> None:
+    """A recorded call with a NaN or an infinity (an additive mask's -inf aside) proves nothing."""
+    bad = [t for t in _floats((call.args, call.kwargs)) if torch.isnan(t).any() or torch.isposinf(t).any()]
+    if call.output is not None and not torch.isfinite(call.output).all():
+        bad.append(call.output)
+    if bad:
+        raise GaugeError(
+            f"certify: layer {site.name}: the model's own forward fed it, or got from it, NaN or infinite values (a "
+            "non-finite weight or input upstream), so nothing can be proved on that call. Prove the records while the "
+            "model is finite (gaugeopt.certify(model, example_batch) before training, or any gauge operation then: the "
+            "proof is kept) or repair the values first (docs/trust.md)"
+        )
+
+
 def certify_site(site: AttentionSite, call: Call, *, seed: int = 0) -> LayerCertificate:
     """Certify one record on one recorded call (see the module docstring); raises :class:`GaugeError`."""
+    _require_finite(site, call)
     sharded = any(type(p).__name__ == "DTensor" for p in site.module.parameters())
     g = torch.Generator().manual_seed(seed)
     base = _float64_copy(site.module)
