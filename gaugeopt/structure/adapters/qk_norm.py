@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from gaugeopt.structure.adapters.common import refuse, require_stock_forward
+from gaugeopt.structure.recognise import equivalent_class
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.spec import refuse_qk_norm
 
@@ -47,12 +48,13 @@ def _path(module: nn.Module | None) -> str:
 
 
 def _checked_norms(site: AttentionSite, classes: tuple[str, ...]) -> AttentionSite:
-    """Return ``site`` once its ``q_norm``/``k_norm`` are of a norm class the family was verified with,
-    with their stock ``forward``, a learnable gain and one epsilon."""
+    """Return ``site`` once its ``q_norm``/``k_norm`` are of a norm class the family was verified with
+    (or a renamed copy of one, :func:`~gaugeopt.structure.recognise.equivalent_class`), with their stock
+    ``forward``, a learnable gain and one epsilon."""
     m, name = site.module, site.name
     for attr in ("q_norm", "k_norm"):
         norm = getattr(m, attr, None)
-        if _path(norm) not in classes:
+        if _path(norm) not in classes and not (norm is not None and any(equivalent_class(type(norm), c) for c in classes)):
             raise refuse(name, f"{attr} of type {_path(norm)}", f"the adapter was verified with {' or '.join(classes)}")
         if type(norm).__module__.startswith("torch.nn"):
             if "forward" in vars(norm):
