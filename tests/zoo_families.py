@@ -173,7 +173,32 @@ FAMILY = {
                             decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
                             decoder_ffn_dim=48, max_position_embeddings=64, dropout=0.0, pad_token_id=1, bos_token_id=0,
                             eos_token_id=2, decoder_start_token_id=2, forward=_encdec), "hf_bart", 4, "none"),
+    # 2025-26 families with their own adapters (gaugeopt.structure.adapters.hf_recent)
+    "hf_glm4": (_hf_llama_like("Glm4ForCausalLM", "Glm4Config", head_dim=8, attention_bias=True, partial_rotary_factor=0.5),
+                "hf_glm4", 2, "interleaved:4"),
+    "hf_smollm3_nope": (_hf_llama_like("SmolLM3ForCausalLM", "SmolLM3Config", attention_bias=True, no_rope_layers=[1, 0]),
+                        "hf_smollm3", 2, "split_half:8"),  # layer 1: no RoPE
+    "hf_cohere": (_hf_llama_like("CohereForCausalLM", "CohereConfig", attention_bias=True, logit_scale=0.5),
+                  "hf_cohere", 2, "interleaved:8"),
+    "hf_modernbert": (lambda: _hf("ModernBertModel", "ModernBertConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                  global_attn_every_n_layers=2, local_attention=4, attention_bias=True, pad_token_id=0,
+                                  bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0,
+                                  forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_modernbert", 4, "split_half:8"),
+    # renamed copies of verified classes, recognised by equivalence (gaugeopt.structure.recognise): certified first
+    "hf_granite": (_hf_llama_like("GraniteForCausalLM", "GraniteConfig", attention_bias=True, attention_multiplier=0.3,
+                                  embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
+                   "hf_llama", 2, "split_half:8"),
+    "hf_roberta": (lambda: _hf("RobertaModel", "RobertaConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=48, max_position_embeddings=64, pad_token_id=1,
+                               forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_bert", 4, "none"),
+    "hf_electra": (lambda: _hf("ElectraModel", "ElectraConfig", vocab_size=VOCAB, embedding_size=24, hidden_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
+                               forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_bert", 4, "none"),
 }
+# Families handled through recognition by equivalence: their records are not verified, so the tests
+# certify them first (as the gate does at first use).
+RECOGNISED = ("hf_granite", "hf_roberta", "hf_electra", "hf_qwen3_moe")
 
 # The QK-normalised families: recognised by find_attention and refused (per-head Q/K normalisation).
 QK_NORM = {
@@ -186,6 +211,9 @@ QK_NORM = {
     "litgpt_norm_qk": lambda: _litgpt(norm_qk=True),
     "litgpt_norm_qk_olmo2": lambda: _litgpt(norm_qk=True, norm_qk_type="olmo2"),
     "torchtitan_qk_norm": lambda: _torchtitan(qk_norm=True),
+    "hf_cohere_qk_norm": _hf_llama_like("CohereForCausalLM", "CohereConfig", attention_bias=True, use_qk_norm=True),
+    "hf_qwen3_moe": _hf_llama_like("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=8, attention_bias=True, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=16),
 }
 
 NAMES = tuple(FAMILY)

@@ -177,12 +177,12 @@ class QKNormSpec:
                     continue
                 if p.numel() == d_k:
                     shape = (1, d_k)
-                elif self.scope == "full" and p.numel() == heads * d_k:
+                elif p.numel() == heads * d_k:  # a gain vector per head (OLMo 2's full width, Cohere's per head)
                     shape = (heads, d_k)
                 else:
                     raise GaugeError(
                         f"{name}.{path}.{attr} has {p.numel()} entries; a {self.scope}-scope Q/K norm over "
-                        f"{heads} heads of width {d_k} has {d_k}" + (f" or {heads * d_k}" if self.scope == "full" else "")
+                        f"{heads} heads of width {d_k} has {d_k} (shared) or {heads * d_k} (one vector per head)"
                     )
                 refs[f"{side}_{role}"] = TensorRef(norm, attr, ".".join(x for x in (name, path, attr) if x), shape)
         if self.kind == "rms":

@@ -59,7 +59,7 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.adapters import qk_norm as qkn
 from gaugeopt.structure.adapters.common import refuse, require_stock_forward
-from gaugeopt.structure.rope import RopeSpec
+from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
 
@@ -103,22 +103,27 @@ def _rotary_dims(root: nn.Module, name: str, family: str) -> set[int]:
     return dims
 
 
-def rotary_from_root(root: nn.Module, name: str, family: str, head_dim: int, *, partial: bool) -> RopeSpec:
-    """Split-half RoPE whose width is read from the model's ``<Family>RotaryEmbedding``."""
+def rotary_from_root(root: nn.Module, name: str, family: str, head_dim: int, *, partial: bool,
+                     kind: str = "split_half") -> RopeSpec:
+    """RoPE (``kind``: split-half or interleaved pairs) whose width is read from the model's
+    ``<Family>RotaryEmbedding``."""
     (dim,) = _rotary_dims(root, name, family)
     if dim > head_dim or (dim != head_dim and not partial):
         raise refuse(name, f"partial rotary (rotary width {dim} < head_dim {head_dim})",
                      f"{family}'s apply_rotary_pos_emb rotates whole heads")
-    return RopeSpec("split_half", dim)
+    return RopeSpec(kind, dim)
 
 
-def _with_root_rope(spec: AttentionSpec, *, partial: bool):
-    """An adapter that reads the rotary width from the model's rotary embedding, then builds ``spec``."""
+def _with_root_rope(spec: AttentionSpec, *, partial: bool, kind: str = "split_half", uses_rope=None):
+    """An adapter that reads the rotary width from the model's rotary embedding, then builds ``spec``;
+    ``uses_rope(module) -> bool`` marks layers that skip RoPE (NoPE layers: no rotation at all)."""
     def adapt(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
         require_stock_forward(name, m)
+        if uses_rope is not None and not uses_rope(m):
+            return dataclasses.replace(spec, rope=NO_ROPE).build(m, name, root)
         family = type(m).__name__.replace("Attention", "")
-        head_dim = m.head_dim
-        return dataclasses.replace(spec, rope=rotary_from_root(root, name, family, head_dim, partial=partial)).build(m, name, root)
+        rope = rotary_from_root(root, name, family, m.head_dim, partial=partial, kind=kind)
+        return dataclasses.replace(spec, rope=rope).build(m, name, root)
 
     adapt.spec = spec  # type: ignore[attr-defined]
     return adapt

@@ -1,0 +1,63 @@
+"""Adapters for the Hugging Face families of 2025–26 whose attention is not a copy of a verified class.
+
+Matched by import path like the other Hugging Face adapters (:mod:`gaugeopt.structure.adapters.hf`);
+the renamed copies (Qwen3-MoE, Granite, RoBERTa and the BERT copies) need no entry: they are
+recognised by equivalence (:mod:`gaugeopt.structure.recognise`).
+
+=========================  ==============================================  ==========================================
+class                      what differs from Llama                         gauge group
+=========================  ==============================================  ==========================================
+``Glm4Attention``          RoPE *interleaved* on the first                 the commutant of the interleaved planes
+                           ``partial_rotary_factor·head_dim`` channels     plus ``GL`` of the pass-through channels
+``SmolLM3Attention``       no RoPE on the layers ``no_rope_layers`` marks  ``GL(d_k)`` there (a larger group)
+``CohereAttention``        RoPE interleaved, in float32; optional          the interleaved commutant; with the norm,
+                           ``use_qk_norm`` (a centred LayerNorm with a     the gain gauge per KV group and plane
+                           gain per head, float32)                         (:mod:`~gaugeopt.structure.adapters.qk_norm`)
+``ModernBertAttention``    fused ``Wqkv`` ``[Q|K|V]``, O = ``Wo``,          plain (bidirectional; local/global windows
+                           queries and keys rounded to float32 for RoPE    only mask)
+=========================  ==============================================  ==========================================
+
+Example:
+    >>> import transformers, gaugeopt
+    >>> cfg = transformers.Glm4Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+    ...                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
+    >>> s = gaugeopt.find_attention(transformers.Glm4ForCausalLM(cfg))[0]
+    >>> (s.kind, s.rope.kind, s.rope.rotary_dim, s.verified)
+    ('hf_glm4', 'interleaved', 4, True)
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from gaugeopt.structure.adapters import qk_norm as qkn
+from gaugeopt.structure.adapters.hf import _llama_like, _path, _with_root_rope, implementation_refusal
+from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
+
+__all__ = ["HF_RECENT_ADAPTERS"]
+
+
+def _cohere_qk_norm(m: nn.Module) -> QKNormSpec | None:
+    return QKNormSpec("layer", "q_norm", "k_norm", eps="q_norm.variance_epsilon") if m.use_qk_norm else None
+
+
+COHERE_SPEC = AttentionSpec(
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj", num_heads="config.num_attention_heads",
+    num_kv_heads="config.num_key_value_heads", head_dim="head_dim", kind="hf_cohere", refuse=implementation_refusal,
+    qk_norm=_cohere_qk_norm, on_qk_norm=qkn.hf_cohere,
+    float32_steps="RoPE in float32 (Cohere's apply_rotary_pos_emb casts q and k)",
+)
+
+MODERNBERT_SPEC = AttentionSpec(
+    qkv="Wqkv", fused="concat", o="Wo", num_heads="config.num_attention_heads", head_dim="head_dim",
+    kind="hf_modernbert", refuse=implementation_refusal,
+    float32_steps="queries and keys rounded to float32 for RoPE (ModernBERT's apply_rotary_pos_emb)",
+)
+
+HF_RECENT_ADAPTERS = {
+    _path("glm4", "Glm4Attention"): _with_root_rope(_llama_like("hf_glm4"), partial=True, kind="interleaved"),
+    _path("smollm3", "SmolLM3Attention"): _with_root_rope(_llama_like("hf_smollm3"), partial=False,
+                                                          uses_rope=lambda m: bool(m.use_rope)),
+    _path("cohere", "CohereAttention"): _with_root_rope(COHERE_SPEC, partial=False, kind="interleaved"),
+    _path("modernbert", "ModernBertAttention"): _with_root_rope(MODERNBERT_SPEC, partial=False),
+}
