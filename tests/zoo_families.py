@@ -185,6 +185,10 @@ FAMILY = {
                                   global_attn_every_n_layers=2, local_attention=4, attention_bias=True, pad_token_id=0,
                                   bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0,
                                   forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_modernbert", 4, "split_half:8"),
+    "hf_gpt_oss": (_hf_llama_like("GptOssForCausalLM", "GptOssConfig", impl="eager", head_dim=8, num_local_experts=2,
+                                  num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                   "hf_gpt_oss", 2, "split_half:8"),
     # renamed copies of verified classes, recognised by equivalence (gaugeopt.structure.recognise): certified first
     "hf_granite": (_hf_llama_like("GraniteForCausalLM", "GraniteConfig", attention_bias=True, attention_multiplier=0.3,
                                   embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),

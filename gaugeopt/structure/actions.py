@@ -76,6 +76,7 @@ __all__ = [
     "INVALID_KINDS",
     "QK_NORM_INVALID_KINDS",
     "BIAS_INVALID_KINDS",
+    "SINK_INVALID_KINDS",
     "applicable_invalid_kinds",
 ]
 
@@ -83,9 +84,10 @@ BIAS_KINDS = BIAS_SECTORS
 VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias")
 INVALID_KINDS = ("asymmetric_qk", "wrong_inverse", "vo_mismatch", "cross_head", "gl_under_rope",
                  "qk_under_norm", "head_scalar", "gain_off_plane", "gain_untied", "gain_without_bias",
-                 "key_bias_rope", "value_bias_alone")
+                 "key_bias_rope", "value_bias_alone", "sinks_unmoved", "bias_under_sinks")
 QK_NORM_INVALID_KINDS = INVALID_KINDS[5:10]  # controls that need a QK-norm site
-BIAS_INVALID_KINDS = INVALID_KINDS[10:]  # controls that need a key bias under RoPE, a value bias
+BIAS_INVALID_KINDS = INVALID_KINDS[10:12]  # controls that need a key bias under RoPE, a value bias
+SINK_INVALID_KINDS = INVALID_KINDS[12:]  # controls that need attention sinks
 _NOT_UNDER_NORM = ("qk", "lrm_qk")  # valid kinds that a QK-norm site does not have
 
 
@@ -195,6 +197,9 @@ def permute_heads(site: AttentionSite, kv_perm: torch.Tensor, q_perm: torch.Tens
     if site.o.col_mult is not None:
         c = site.o.col_mult.get()
         c.copy_(c[q_perm])
+    if site.sinks is not None:  # each query head's sink logit moves with it
+        v = site.sinks.get()
+        v.copy_(v[q_perm])
     if site.qk_norm is not None and site.qk_norm.per_head:  # per-head gains move with their heads
         n_ = site.qk_norm
         for ref, perm in ((n_.q_gain, q_perm), (n_.q_bias, q_perm), (n_.k_gain, kv_perm), (n_.k_bias, kv_perm)):
@@ -507,6 +512,10 @@ def _invalid_sites(sites: Sequence[AttentionSite], kind: str) -> list[AttentionS
         "key_bias_rope": (lambda s: s.k.bias is not None and s.qk_norm is None and s.rope.active,
                           "a key bias under RoPE"),
         "value_bias_alone": (lambda s: s.v.bias is not None, "a value bias"),
+        "sinks_unmoved": (lambda s: s.sinks is not None and s.h > 1 and not s.fixed_head_order,
+                          "attention sinks on more than one head"),
+        "bias_under_sinks": (lambda s: s.sinks is not None and _sink_bias_shift(s) is not None,
+                             "attention sinks with a key bias on non-rotary channels, or value and output biases"),
     }
     if kind not in need:
         return list(sites)
@@ -549,6 +558,9 @@ def invalid_gauge_transform(
     ``key_bias_rope``      a key bias under RoPE: ``b_K[j][c] += δ`` on the *rotated* channels
                            (the key-bias shift is a symmetry only on the others)
     ``value_bias_alone``   ``b_V[j] += δ`` without the output bias taking ``W_O δ`` back
+    ``sinks_unmoved``      attention sinks: a head permutation of everything but the sinks
+    ``bias_under_sinks``   attention sinks: the value-bias trade (or, without it, the key-bias shift on
+                           the non-rotary channels), which the sinks break (:mod:`gaugeopt.structure.bias`)
     =====================  ===============================================================
 
     Raises:
@@ -612,6 +624,37 @@ def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | N
     elif kind == "value_bias_alone":
         _, bv = site.effective("v")
         site.set_effective_bias("v", bv + log_scale * torch.randn(bv.shape, generator=g, dtype=torch.float64).to(bv))
+    elif kind == "sinks_unmoved":
+        saved = site.sinks.get().detach().clone()
+        kv_perm = torch.arange(site.h_kv).roll(1) if site.h_kv > 1 else torch.arange(1)
+        q_perm = (kv_perm[:, None] * site.n_rep + torch.arange(site.n_rep).roll(1)[None, :]).reshape(-1)
+        permute_heads(site, kv_perm, q_perm)
+        with torch.no_grad():
+            site.sinks.get().copy_(saved)
+    elif kind == "bias_under_sinks":
+        with torch.no_grad():
+            _sink_bias_shift(site)(log_scale, g)
+
+
+def _sink_bias_shift(site: AttentionSite):
+    """The bias move that would be a symmetry without the sinks: the value-bias trade where the site has
+    value and output biases, else the key-bias shift on its non-rotary channels (``None``: neither)."""
+    if site.v.bias is not None and site.o.bias is not None:
+        def trade(scale, g):
+            wo, bo = site.effective("o")
+            _, bv = site.effective("v")
+            delta = scale * torch.randn(site.h_kv, site.d_v, generator=g, dtype=torch.float64)
+            site.set_effective_bias("v", bv + delta.to(bv))
+            site.set_effective_bias("o", bo - torch.einsum("dhv,hv->d", wo, site.per_query(delta).to(wo)).to(bo))
+        return trade
+    free = [c for c in range(site.d_k) if c not in {x for plane in site.rope.planes(site.d_k) for x in plane}]
+    if site.k.bias is not None and free and site.qk_norm is None:
+        def shift(scale, g):
+            _, bk = site.effective("k")
+            bk[:, free] += scale * torch.randn(site.h_kv, len(free), generator=g, dtype=torch.float64).to(bk)
+            site.set_effective_bias("k", bk)
+        return shift
+    return None
 
 
 @torch.no_grad()

@@ -292,7 +292,7 @@ def _rebind(site: AttentionSite, module: nn.Module) -> AttentionSite:
         norm = dataclasses.replace(norm, q_gain=ref_on(norm.q_gain), k_gain=ref_on(norm.k_gain),
                                    q_bias=ref_on(norm.q_bias), k_bias=ref_on(norm.k_bias))
     return dataclasses.replace(site, module=module, q=proj_on(site.q), k=proj_on(site.k), v=proj_on(site.v),
-                               o=proj_on(site.o), qk_norm=norm)
+                               o=proj_on(site.o), qk_norm=norm, sinks=ref_on(site.sinks))
 
 
 def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
@@ -351,6 +351,9 @@ def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
     if sector == "vo":
         apply_invalid(site, "vo_mismatch", g)
         return "vo_mismatch"
+    if sector == "perm" and site.sinks is not None:  # every head moved but its sink logit
+        apply_invalid(site, "sinks_unmoved", g)
+        return "sinks_unmoved"
     if sector == "perm":  # query heads moved, their keys, values and output columns not
         perm = torch.arange(site.h).roll(1)
         for role, ref in site.q.refs():

@@ -94,7 +94,7 @@ class NormShape:
 class LayerShape:
     """The head structure of one attention layer, all a count needs (``qk_bias``: the query projection
     has a bias; ``k_bias``, ``v_bias``, ``o_bias``: the others; ``qk_norm``: the layer normalises
-    queries and keys)."""
+    queries and keys; ``sinks``: attention sinks, which remove the bias sectors)."""
 
     h: int
     h_kv: int
@@ -107,11 +107,13 @@ class LayerShape:
     k_bias: bool = False
     v_bias: bool = False
     o_bias: bool = False
+    sinks: bool = False
 
     def bias_sectors(self) -> dict[str, int]:
         """Dimensions of the layer's bias sectors (:func:`gaugeopt.structure.bias.sector_dims`)."""
         return sector_dims(h_kv=self.h_kv, d_k=self.d_k, d_v=self.d_v, rotary_dim=self.rope.rotary_dim,
-                           k_bias=self.k_bias, v_bias=self.v_bias, o_bias=self.o_bias, qk_norm=self.qk_norm is not None)
+                           k_bias=self.k_bias, v_bias=self.v_bias, o_bias=self.o_bias, qk_norm=self.qk_norm is not None,
+                           sinks=self.sinks)
 
 
 def _get(cfg: Any, *names: str, default=None):
@@ -138,7 +140,7 @@ def _site_shape(s) -> LayerShape:
     n = s.qk_norm
     norm = None if n is None else NormShape(n.kind, n.per_head, n.scope, n.before_rope, n.eps, n.q_bias is not None)
     return LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope, norm, s.q.bias is not None, s.k.bias is not None,
-                      s.v.bias is not None, s.o.bias is not None)
+                      s.v.bias is not None, s.o.bias is not None, s.sinks is not None)
 
 
 def layer_shapes(model_or_config: Any) -> list[LayerShape]:

@@ -15,7 +15,13 @@ class                      what differs from Llama                         gauge
                            gain per head, float32)                         (:mod:`~gaugeopt.structure.adapters.qk_norm`)
 ``ModernBertAttention``    fused ``Wqkv`` ``[Q|K|V]``, O = ``Wo``,          plain (bidirectional; local/global windows
                            queries and keys rounded to float32 for RoPE    only mask)
+``GptOssAttention``        a learned *sink* logit per head in the          ``qk``, ``vo``, head permutations that move
+                           softmax; sliding windows on alternate layers    the sinks; no bias sectors
+                                                                           (:mod:`gaugeopt.structure.bias`)
 =========================  ==============================================  ==========================================
+
+gpt-oss: Hugging Face runs its sinks in the ``eager`` kernel (SDPA has no sink column and the
+model does not offer it); any other kernel is refused.
 
 Example:
     >>> import transformers, gaugeopt
@@ -54,7 +60,22 @@ MODERNBERT_SPEC = AttentionSpec(
     float32_steps="queries and keys rounded to float32 for RoPE (ModernBERT's apply_rotary_pos_emb)",
 )
 
+def _gpt_oss_refusal(m: nn.Module) -> str | None:
+    impl = getattr(m.config, "_attn_implementation", None)
+    if impl in (None, "eager"):
+        return None
+    return (f"config._attn_implementation={impl!r}: gpt-oss's attention sinks are verified with the 'eager' kernel "
+            "only (the sink column is part of its softmax); load the model with attn_implementation='eager'")
+
+
+GPT_OSS_SPEC = AttentionSpec(
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj", num_heads="config.num_attention_heads",
+    num_kv_heads="config.num_key_value_heads", head_dim="head_dim", kind="hf_gpt_oss", refuse=_gpt_oss_refusal,
+    sinks="sinks",
+)
+
 HF_RECENT_ADAPTERS = {
+    _path("gpt_oss", "GptOssAttention"): _with_root_rope(GPT_OSS_SPEC, partial=False),
     _path("glm4", "Glm4Attention"): _with_root_rope(_llama_like("hf_glm4"), partial=True, kind="interleaved"),
     _path("smollm3", "SmolLM3Attention"): _with_root_rope(_llama_like("hf_smollm3"), partial=False,
                                                           uses_rope=lambda m: bool(m.use_rope)),
