@@ -12,7 +12,8 @@ model instance. :func:`symmetry_families` lists them all:
 * the stream sectors (:mod:`gaugeopt.structure.stream_sectors`) when :func:`gaugeopt.structure.stream.find_stream`
   knows the model;
 * for the record, families that are *not* symmetries but look like one: ``key_bias_rope`` (the
-  key-bias shift on RoPE-rotated channels) and the stream's inexact ones (residual rotations under
+  key-bias shift on RoPE-rotated channels), ``value_bias_sink`` (the value-bias trade under
+  attention sinks) and the stream's inexact ones (residual rotations under
   a tied head, ...), with ``exact=False``.
 
 Head permutations are discrete and have no family. The actions are the library's own
@@ -145,6 +146,16 @@ def attention_families(site: AttentionSite) -> list[Family]:
 
         why = "q_i·δ is the same for every key" if kind == "key_bias" else "attention rows sum to one"
         out.append(Family(kind, u, sec.dim, bias, True, why))
+    if site.sinks is not None and site.v.bias is not None and site.o.bias is not None:
+        def value_bias_sink(t):  # the trade that is exact without sinks
+            _, bv = site.effective("v")
+            wo, bo = site.effective("o")
+            delta = t.reshape(g, dv).to(bv)
+            site.set_effective_bias("v", bv + delta)
+            site.set_effective_bias("o", bo - torch.einsum("dhv,hv->d", wo, site.per_query(delta).to(wo)).to(bo))
+
+        out.append(Family("value_bias_sink", u, g * dv, value_bias_sink, False,
+                          "attention sinks: a row's weights sum to 1 − p_sink, so b_O cannot take W_O δ back"))
     rotated = sorted(c for plane in site.rope.planes(dk) for c in plane)
     if site.k.bias is not None and site.qk_norm is None and rotated:
         def key_bias_rope(t):

@@ -24,7 +24,10 @@ a model has (the nullity of its logits' Jacobian, measured by :func:`gaugeopt.fl
     ``d`` per norm with a bias, ``norm_meanfree`` the rows of every reader of the norm (when the norm
     has no bias or the reader has one: ``(h + h_kv)·d_k + h_kv·d_v`` after ``norm1``, ``d_ff`` per MLP
     input after ``norm2``) and ``residual_ones`` ``h·d_v + [b_O] + d_ff + [b_down]``; ``mlp_scale``
-    ``d_ff`` for SwiGLU and ReLU. Once: with LayerNorm ``residual_ones`` ``T`` learned positions
+    ``d_ff`` for SwiGLU and ReLU; gpt-oss: ``router_shift`` ``d + 1`` (its top-k router) and
+    ``expert_up_scale`` one per expert unit ``E·d_ff`` (instead of ``mlp_scale``; exact while its
+    clamp is inactive, :mod:`gaugeopt.structure.stream_sectors`), and its attention sinks remove both
+    bias sectors. Once: with LayerNorm ``residual_ones`` ``T`` learned positions
     (+ ``V`` with an untied head); ``embedding_shift`` ``d − [LayerNorm]`` (untied, learned
     positions) or ``1`` (tied, LayerNorm without a final bias); with an untied head the final norm's
     ``norm_gain`` ``d``, ``norm_bias`` ``d``, ``norm_meanfree`` ``V`` (no final bias or a head bias),
@@ -295,6 +298,8 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
             add("residual_ones", s.h * s.d_v + s.o_bias + st.d_ff + st.mlp_out_bias)
         if st.activation in ("swiglu", "relu"):
             add("mlp_scale", st.d_ff)
+        add("router_shift", st.router_shift)
+        add("expert_up_scale", st.expert_units)
     if ln:
         add("residual_ones", st.positions + (0 if st.tied else st.vocab))
     if st.positions:
