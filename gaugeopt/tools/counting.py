@@ -188,9 +188,17 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
             norm = NormShape("rms", per_head, scope, True, float(_get(cfg, "rms_norm_eps", default=1e-6)))
         o_bias = bool(_get(cfg, "attention_bias", default=False))  # Qwen2 biases Q, K, V but not O
         return [LayerShape(h, h_kv, d_k, d_k, d, _rope_from_hf(cfg, d_k), norm, bias, bias, bias, o_bias)] * L
+    if model_type == "gpt_oss":  # attention sinks on every layer, biases on all four projections
+        h = _get(cfg, "num_attention_heads")
+        d = _get(cfg, "hidden_size")
+        d_k = _get(cfg, "head_dim", default=d // h)
+        b = bool(_get(cfg, "attention_bias", default=True))
+        shape = LayerShape(h, _get(cfg, "num_key_value_heads", default=h), d_k, d_k, d, RopeSpec("split_half", d_k),
+                           None, b, b, b, b, sinks=True)
+        return [shape] * _get(cfg, "num_hidden_layers")
     raise GaugeError(
         f"gauge_dimension: cannot read a config of model_type={model_type!r} ({type(cfg).__qualname__}); "
-        "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2/qwen3/olmo2/gemma3 config "
+        "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2/qwen3/olmo2/gemma3/gpt_oss config "
         "(object or config.json dict)"
     )
 
@@ -263,9 +271,17 @@ def stream_shape(model_or_config: Any) -> StreamShape:
         return StreamShape(_get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"),
                            _get(cfg, "vocab_size"), 0, "rmsnorm", "swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)),
                            False, mlp_bias, mlp_bias)
+    if model_type == "gpt_oss":
+        d, ff, E = _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"), _get(cfg, "num_local_experts")
+        if None in (d, ff, E, _get(cfg, "vocab_size")):
+            raise GaugeError("gauge_dimension(convention='complete'): a gpt_oss config needs hidden_size, intermediate_size, "
+                             "num_local_experts and vocab_size")
+        return StreamShape(_get(cfg, "num_hidden_layers"), d, ff, _get(cfg, "vocab_size"), 0, "rmsnorm",
+                           "moe_clamped_swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)), False, True, True,
+                           router_shift=d + 1, expert_units=E * ff)
     raise GaugeError(
         f"gauge_dimension(convention='complete'): no residual-stream description for model_type={model_type!r} "
-        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and gpt2/llama/mistral/qwen2 "
+        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and gpt2/llama/mistral/qwen2/gpt_oss "
         "(models or configs); 'wang' counts the attention gauges of any model"
     )
 
