@@ -189,6 +189,15 @@ FAMILY = {
                                   num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
                    "hf_gpt_oss", 2, "split_half:8"),
+    "hf_llama4": (_hf_llama_like("Llama4ForCausalLM", "Llama4TextConfig", head_dim=8, attention_bias=True,
+                                 intermediate_size_mlp=48, num_hidden_layers=3, num_local_experts=2, num_experts_per_tok=1,
+                                 no_rope_layers=[1, 1, 0], use_qk_norm=True, attention_chunk_size=4,
+                                 attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1, interleave_moe_layer_step=2),
+                  "hf_llama4", 2, "interleaved:8"),  # layers 0, 1: RoPE + L2 norm; layer 2: NoPE
+    "hf_llama4_no_qk_norm": (_hf_llama_like("Llama4ForCausalLM", "Llama4TextConfig", head_dim=8, intermediate_size_mlp=48,
+                                            num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 0],
+                                            use_qk_norm=False, attention_chunk_size=4, interleave_moe_layer_step=1),
+                             "hf_llama4", 2, "interleaved:8"),
     # renamed copies of verified classes, recognised by equivalence (gaugeopt.structure.recognise): certified first
     "hf_granite": (_hf_llama_like("GraniteForCausalLM", "GraniteConfig", attention_bias=True, attention_multiplier=0.3,
                                   embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),

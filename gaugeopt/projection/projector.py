@@ -35,7 +35,9 @@ symmetry once queries and keys are normalised — and a ``qk_gain`` sector inste
 (docs/qk_norm.md); their ``vo``, ``lrm_vo`` and ``lrm_internal`` sectors are unchanged. ``"auto"``
 picks, for each site, what it has. For a LayerNorm QK-norm (timm) the gain gauge is what is
 projected; the further directions a LayerNorm leaves invisible (its key bias, a query-bias shift,
-the mean direction of each head's rows, one centred rotation) are not.
+the mean direction of each head's rows, one centred rotation) are not. A site that keeps only the
+orthogonal part of its Q/K gauge (``site.qk_orthogonal``: Llama 4's weight-free L2 norm) has no
+projected Q/K sector: its plane rotations (``d_k/2`` per KV group) are left in the field.
 
 GQA ties one ``X`` per KV group to all its query heads; biases travel with their rows;
 under LRM the dense gauges act through ``W̄`` (:mod:`gaugeopt.projection.dense`). With learnable
@@ -320,7 +322,8 @@ class GaugeProjector:
             owners = {id(ref.owner) for s in self.sites for _, ref in s.refs()}
             lrm_modules = [(n, m) for n, m in lrm_modules if id(m) in owners or any(id(p) in owners for p in m.parameters())]
         impl = {
-            "qk": DenseSector("qk", [s for s in self.sites if s.qk_norm is None], approx_iters=approx_iters),
+            "qk": DenseSector("qk", [s for s in self.sites if s.qk_norm is None and not s.qk_orthogonal],
+                              approx_iters=approx_iters),
             "vo": DenseSector("vo", self.sites, approx_iters=approx_iters),
             "lrm_qk": DiagonalSector("lrm_qk", self.sites),
             "lrm_vo": DiagonalSector("lrm_vo", self.sites),

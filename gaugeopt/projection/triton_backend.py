@@ -39,7 +39,7 @@ def _members(site: AttentionSite, sector: str) -> tuple[tuple[Member, ...], tupl
 def fused_sites(sites: Sequence[AttentionSite], sector: str) -> list[AttentionSite]:
     """The sites that carry ``sector`` (a QK-norm site carries neither ``qk`` nor ``lrm_qk``)."""
     if sector in ("qk", "lrm_qk"):
-        sites = [s for s in sites if s.qk_norm is None]
+        sites = [s for s in sites if s.qk_norm is None and not s.qk_orthogonal]
     if sector in ("lrm_qk", "lrm_vo"):
         return [s for s in sites if _pair(s, sector).has_multipliers]
     return list(sites)

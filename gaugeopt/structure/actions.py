@@ -51,7 +51,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.linalg import random_well_conditioned
 from gaugeopt.structure.bias import BIAS_SECTORS, missing_reason
 from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant
+from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant, random_orthogonal_commutant
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.registry import find_attention
@@ -131,6 +131,13 @@ def act_qk(site: AttentionSite, A: torch.Tensor, *, B_inv: torch.Tensor | None =
     _expect(A, (site.h_kv, site.d_k, site.d_k), "A")
     if check:
         _check_commutes(site, A)
+        if site.qk_orthogonal:
+            eye = torch.eye(site.d_k, dtype=A.dtype, device=A.device)
+            if float((A.mT @ A - eye).abs().amax()) > 1e-10:
+                raise GaugeError(
+                    f"{site.name}: A is not orthogonal; only the orthogonal part of the Q/K gauge is a symmetry here "
+                    f"({site.qk_orthogonal}): use gaugeopt.structure.rope.random_orthogonal_commutant"
+                )
     wq, bq = site.effective("q")
     wk, bk = site.effective("k")
     A = A.to(wq)
@@ -224,6 +231,9 @@ def scale_qk_multipliers(site: AttentionSite, delta: torch.Tensor, *, check: boo
     """
     _require_mults(site, (("q", "row_mult"), ("k", "row_mult")))
     _expect(delta, (site.h_kv, site.d_k), "delta")
+    if site.qk_orthogonal:
+        raise GaugeError(f"{site.name}: rescaling r_Q against r_K changes its function ({site.qk_orthogonal}: the norm "
+                         "undoes the scale of each head, per channel it does not)")
     if site.qk_norm is not None:
         raise GaugeError(
             f"{site.name} normalises queries and keys (QK-norm): rescaling r_Q against r_K changes its function (the "
@@ -367,6 +377,8 @@ def _site_kinds(site: AttentionSite, kinds: tuple[str, ...], explicit: bool, wha
         why = ("it normalises queries and keys (QK-norm): {} is not a symmetry there; its Q/K gauge is kind "
                "'qk_gain' (the norm's gains, docs/qk_norm.md)")
         lacking = {"qk": why.format("GL(d_k) on W_Q/W_K"), "lrm_qk": why.format("rescaling r_Q against r_K")}
+    if site.qk_orthogonal:
+        lacking["lrm_qk"] = f"rescaling r_Q against r_K is not a symmetry ({site.qk_orthogonal})"
     for kind in BIAS_KINDS:
         why = missing_reason(site, kind)
         if why is not None:
@@ -455,6 +467,8 @@ def apply_valid(site: AttentionSite, kind: str, generator: torch.Generator | Non
         scale_qk_multipliers(site, per_plane[:, pid])
     elif kind == "lrm_vo":
         scale_vo_multipliers(site, _log_uniform((site.h_kv, site.d_v), log_scale, g, dtype))
+    elif kind == "qk" and site.qk_orthogonal:  # a rotation per RoPE plane, SO of the non-rotary block
+        act_qk(site, random_orthogonal_commutant(site.rope, site.d_k, site.h_kv, generator=g))
     elif kind == "qk":
         act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
     elif kind == "qk_gain":
@@ -500,8 +514,9 @@ def _invalid_sites(sites: Sequence[AttentionSite], kind: str) -> list[AttentionS
     need = {
         "gl_under_rope": (lambda s: s.rope.active, "a model with RoPE"),
         "cross_head": (lambda s: s.h_kv >= 2, "at least two KV heads"),
-        "qk_under_norm": (lambda s: s.qk_norm is not None, "a QK-norm model"),
-        "head_scalar": (lambda s: s.qk_norm is not None and (s.qk_norm.eps > 0 or s.qk_norm.scope == "full"),
+        "qk_under_norm": (lambda s: s.qk_norm is not None or bool(s.qk_orthogonal), "a QK-norm model"),
+        "head_scalar": (lambda s: bool(s.qk_orthogonal) or
+                        s.qk_norm is not None and (s.qk_norm.eps > 0 or s.qk_norm.scope == "full"),
                         "a QK-norm model with eps > 0 (with eps = 0 a per-head scalar is a symmetry of a per-head norm)"),
         "gain_off_plane": (lambda s: s.qk_norm is not None and s.qk_norm.before_rope and s.rope.active,
                            "a QK-norm model whose norm acts before RoPE"),
@@ -545,8 +560,9 @@ def invalid_gauge_transform(
     ``vo_mismatch``        ``W_V ← Cᵀ W_V``, ``W_O ← W_O D⁻ᵀ`` with an independent ``D``
     ``cross_head``         one ``M ∈ GL(h_kv·d_k)`` mixing the KV groups, ``Mᵀ`` on Q and ``M⁻¹`` on K
     ``gl_under_rope``      a general ``A ∈ GL(d_k)`` (outside the RoPE commutant) with its true inverse
-    ``qk_under_norm``      QK-norm sites: the plain-attention Q/K gauge, ``A`` in the RoPE commutant
-                           (all of ``GL(d_k)`` without RoPE) with its true inverse, on ``W_Q``/``W_K``
+    ``qk_under_norm``      QK-norm sites (and weight-free norms, ``qk_orthogonal``): the plain-attention
+                           Q/K gauge, ``A`` in the RoPE commutant (all of ``GL(d_k)`` without RoPE) with its
+                           true inverse, on ``W_Q``/``W_K``
     ``head_scalar``        QK-norm sites with ``eps > 0``: ``W_Q[i], b_Q[i] ← c_i·(W_Q[i], b_Q[i])`` with
                            ``c_i = 10^U(−2, −1)`` per query head (a symmetry only at ``eps = 0``,
                            and there only for a per-head norm)
@@ -591,18 +607,18 @@ def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | N
     if kind == "asymmetric_qk":
         A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
         B = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
-        act_qk(site, A, B_inv=torch.linalg.inv(B))
+        act_qk(site, A, B_inv=torch.linalg.inv(B), check=False)  # A, B in the commutant by construction
     elif kind == "wrong_inverse":
         A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
-        act_qk(site, A, B_inv=A.mT)
+        act_qk(site, A, B_inv=A.mT, check=False)
     elif kind == "vo_mismatch":
         act_vo(site, rwc(site.h_kv, site.d_v), D=rwc(site.h_kv, site.d_v))
     elif kind == "gl_under_rope":
         act_qk(site, rwc(site.h_kv, site.d_k), check=False)
     elif kind == "cross_head":
         _mix_heads(site, rwc(1, site.h_kv * site.d_k)[0])
-    elif kind == "qk_under_norm":
-        act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
+    elif kind == "qk_under_norm":  # in the commutant by construction; not orthogonal (check=False lets it through)
+        act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g), check=False)
     elif kind == "head_scalar":
         c = 10.0 ** (torch.rand(site.h, generator=g, dtype=torch.float64) - 2.0)  # in [0.01, 0.1)
         wq, bq = site.effective("q")

@@ -312,7 +312,7 @@ def claimed_sectors(site: AttentionSite) -> list[str]:
     if site.h > 1 and not site.fixed_head_order:
         out.append("perm")
     out += list(site.bias_kinds)
-    if site.qk_norm is None and site.q.row_mult is not None and site.k.row_mult is not None:
+    if site.qk_norm is None and not site.qk_orthogonal and site.q.row_mult is not None and site.k.row_mult is not None:
         out.append("lrm_qk")
     if site.v.row_mult is not None and site.o.col_mult is not None:
         out.append("lrm_vo")
@@ -341,6 +341,9 @@ def _valid(site: AttentionSite, sector: str, g: torch.Generator) -> None:
 @torch.no_grad()
 def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
     """Apply the sector's negative control; returns its name."""
+    if sector == "qk" and site.qk_orthogonal:  # the whole commutant, which the weight-free norm breaks
+        apply_invalid(site, "qk_under_norm", g)
+        return "qk_under_norm"
     if sector == "qk":
         kind = "gl_under_rope" if site.rope.active else "asymmetric_qk"
         apply_invalid(site, kind, g)

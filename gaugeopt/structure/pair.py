@@ -236,6 +236,11 @@ class GaugePair:
                 f"{site.name} normalises queries and keys per head (QK-norm, {site.qk_norm.kind}): GL(d_k) on W_Q/W_K "
                 "is not a symmetry of it; its Q/K gauge acts on the norm's gains (the 'qk_gain' pair, docs/qk_norm.md)"
             )
+        if kind == "qk" and site.qk_orthogonal:
+            raise GaugeError(
+                f"{site.name}: only the orthogonal part of GL(d_k) is a Q/K symmetry here ({site.qk_orthogonal}); the "
+                "'qk' pair rescales queries against keys, which the norm undoes, so it has no Q/K pair to balance"
+            )
         if kind == "qk_gain":
             return GaugePair._gain_pair(site)
         if kind == "qk":

@@ -218,6 +218,11 @@ class AttentionSite:
         float32_steps: what the module computes in float32 even in a float64 model (e.g. ``"q·kᵀ in
             float32"``), which bounds how exactly :func:`gaugeopt.certify` can observe a gauge action
             (``""``: nothing; the certificate then demands float64 exactness).
+        qk_orthogonal: why only the orthogonal part of the Q/K gauge survives (``""``: all of it): a
+            weight-free norm of each query and key head (Llama 4's L2 norm) keeps ``A`` only when it
+            preserves lengths, so the ``qk`` sector is ``O(d_k)`` ∩ the RoPE commutant — a rotation per
+            plane, ``SO`` of the non-rotary block — and the ``"qk"`` pair (scale balancing) and ``lrm_qk``
+            are not symmetries there.
         sinks: the per-head *sink* logits ``s_i`` (canonical ``(h,)``), or ``None``: a learned logit that
             joins each query head's softmax as an extra column with no value (gpt-oss), so a row's weights
             sum to ``1 − p_sink < 1``. The sinks leave ``qk``, ``vo`` and head permutations (which move
@@ -249,6 +254,7 @@ class AttentionSite:
     float32_steps: str = ""
     fixed_head_order: str = ""
     sinks: TensorRef | None = None
+    qk_orthogonal: str = ""
     verified: bool = False
 
     def __post_init__(self) -> None:
@@ -433,6 +439,7 @@ class AttentionSite:
         lrm = ", lrm" if self.has_multipliers else ""
         norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm.kind}:{self.qk_norm.scope}"
         norm += "" if self.sinks is None else ", sinks"
+        norm += ", qk=orthogonal" if self.qk_orthogonal else ""
         return (
             f"AttentionSite({self.name!r}, kind={self.kind}, h={self.h}, h_kv={self.h_kv}, "
             f"d_k={self.d_k}, d_v={self.d_v}, d_model={self.d_model}{extra}{lrm}{norm})"

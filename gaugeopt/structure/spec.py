@@ -23,6 +23,8 @@ field               meaning
 ``float32_steps``   what the module computes in float32 even in float64 (loosens the certificate's
                     Q/K sectors to ``1e-6``)
 ``fixed_head_order``  why heads may not be permuted (a per-head score term such as ALiBi)
+``qk_orthogonal``   why only the orthogonal part of the Q/K gauge survives (a weight-free norm of
+                    each head, Llama 4): ``""`` or a reason, or ``module -> str``
 ``sinks``           attribute path of per-head attention-sink logits (a learned extra softmax column
                     per head, gpt-oss): no bias sectors then, and permutations move the sinks
 ==================  ==========================================================================
@@ -232,6 +234,7 @@ class AttentionSpec:
     stock_forward: bool = True
     on_qk_norm: Callable[[AttentionSite], AttentionSite] | None = None
     sinks: str | None = None
+    qk_orthogonal: str | Callable[[nn.Module], str] = ""
 
     def __post_init__(self) -> None:
         separate = (self.q, self.k, self.v)
@@ -315,13 +318,14 @@ class AttentionSpec:
         sinks = None if self.sinks is None else _sinks_ref(module, self.sinks, name, h)
         f32 = self.float32_steps(module) if callable(self.float32_steps) else self.float32_steps
         fixed = self.fixed_head_order(module) if callable(self.fixed_head_order) else self.fixed_head_order
+        orth = self.qk_orthogonal(module) if callable(self.qk_orthogonal) else self.qk_orthogonal
         features = (("fused_qkv", f"fused_{self.fused}") if self.qkv is not None else ()) + \
             (("gqa",) if h_kv != h else ()) + ((f"rope_{rope.kind}",) if rope.active else ()) + \
             (("qk_norm",) if qk_norm is not None else ()) + (("sinks",) if sinks is not None else ())
         site = AttentionSite(
             name=name, module=module, h=h, h_kv=h_kv, d_k=d_k, d_v=d_v, d_model=d_model, q=q, k=k, v=v, o=o,
             rope=rope, kind=self.kind, features=features, qk_norm=qk_norm, float32_steps=f32 or "",
-            fixed_head_order=fixed or "", sinks=sinks,
+            fixed_head_order=fixed or "", sinks=sinks, qk_orthogonal=orth or "",
         )
         if qk_norm is not None:
             site = self.on_qk_norm(site) if self.on_qk_norm is not None else site

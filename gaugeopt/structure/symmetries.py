@@ -54,7 +54,7 @@ from gaugeopt.structure.actions import (
 )
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.registry import find_attention
-from gaugeopt.structure.rope import commutant_basis, plane_index
+from gaugeopt.structure.rope import commutant_basis, orthogonal_commutant_basis, plane_index
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["ATTENTION_SECTORS", "Family", "attention_families", "symmetry_families"]
@@ -96,7 +96,7 @@ def attention_families(site: AttentionSite) -> list[Family]:
     out: list[Family] = []
     g, dk, dv, u = site.h_kv, site.d_k, site.d_v, site.name
     if site.qk_norm is None:
-        basis = commutant_basis(site.rope, dk)
+        basis = orthogonal_commutant_basis(site.rope, dk) if site.qk_orthogonal else commutant_basis(site.rope, dk)
         n = basis.shape[0]
 
         def qk(t, basis=basis, n=n):
@@ -125,7 +125,7 @@ def attention_families(site: AttentionSite) -> list[Family]:
         act_vo(site, torch.linalg.matrix_exp(t.reshape(g, dv, dv)))
 
     out.append(Family("vo", u, g * dv * dv, vo, True, "W_O v unchanged by Cᵀ, C⁻ᵀ"))
-    if site.qk_norm is None and site.has_multipliers:
+    if site.qk_norm is None and not site.qk_orthogonal and site.has_multipliers:
         pid, n = _slots(site.rope, dk)
 
         def lrm_qk(t, pid=pid, n=n):

@@ -111,6 +111,12 @@ class LayerShape:
     v_bias: bool = False
     o_bias: bool = False
     sinks: bool = False
+    qk_orthogonal: bool = False  # a weight-free norm per head: only the orthogonal part of the Q/K gauge
+
+    def qk_dim(self, ignore_rope: bool = False) -> int:
+        """The Q/K gauge of one KV group (``ignore_rope``: as paper 003 counts it)."""
+        rope = NO_ROPE if ignore_rope else self.rope
+        return rope.orthogonal_gauge_dim(self.d_k) if self.qk_orthogonal else rope.qk_gauge_dim(self.d_k)
 
     def bias_sectors(self) -> dict[str, int]:
         """Dimensions of the layer's bias sectors (:func:`gaugeopt.structure.bias.sector_dims`)."""
@@ -143,7 +149,7 @@ def _site_shape(s) -> LayerShape:
     n = s.qk_norm
     norm = None if n is None else NormShape(n.kind, n.per_head, n.scope, n.before_rope, n.eps, n.q_bias is not None)
     return LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope, norm, s.q.bias is not None, s.k.bias is not None,
-                      s.v.bias is not None, s.o.bias is not None, s.sinks is not None)
+                      s.v.bias is not None, s.o.bias is not None, s.sinks is not None, bool(s.qk_orthogonal))
 
 
 def layer_shapes(model_or_config: Any) -> list[LayerShape]:
@@ -298,7 +304,7 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
     mlp_inputs = 2 if st.activation == "swiglu" else 1
     for s in shapes:
         if s.qk_norm is None:
-            add("qk", s.h_kv * s.rope.qk_gauge_dim(s.d_k))
+            add("qk", s.h_kv * s.qk_dim())
         else:
             for key, n in _qk_norm_counts(s, ignore_rope=False).items():
                 add(key, n)
@@ -363,10 +369,7 @@ def gauge_dimension(
     plain = [s for s in shapes if s.qk_norm is None]
     counts = {}
     if plain or len(plain) == len(shapes):
-        if convention == "wang":
-            counts["qk"] = sum(s.h_kv * s.rope.qk_gauge_dim(s.d_k) for s in plain)
-        else:
-            counts["qk"] = sum(s.h_kv * s.d_k**2 for s in plain)
+        counts["qk"] = sum(s.h_kv * s.qk_dim(ignore_rope=convention != "wang") for s in plain)
     for s in shapes:
         if s.qk_norm is not None:
             for key, n in _qk_norm_counts(s, ignore_rope=convention == "van_nierop").items():

@@ -133,6 +133,8 @@ def _aug(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
 def circuit_factors(site: AttentionSite, t: dict | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Factor pairs ``(X (h, B, s, D₁), Y (h, B, s, D₂))`` whose products ``X_bᵀY_b`` are the
     complete per-query-head invariants (module docstring); the last pair is the OV circuit."""
+    if site.qk_orthogonal:
+        refuse_layer_norm(site, "equivalence")
     t = effective_tensors(site, fold_biases=True) if t is None else t
     r, dk = site.rope.rotary_dim, site.d_k
     expand = site.per_query  # a KV head's rows for each of its query heads

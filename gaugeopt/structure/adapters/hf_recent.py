@@ -18,7 +18,18 @@ class                      what differs from Llama                         gauge
 ``GptOssAttention``        a learned *sink* logit per head in the          ``qk``, ``vo``, head permutations that move
                            softmax; sliding windows on alternate layers    the sinks; no bias sectors
                                                                            (:mod:`gaugeopt.structure.bias`)
+``Llama4TextAttention``    RoPE interleaved (complex, float32) on the      RoPE layers with the norm: only the
+                           layers ``no_rope_layers`` marks, then a         *orthogonal* commutant (a rotation per
+                           weight-free L2 norm of each head                plane: ``d_k/2`` per KV group); NoPE
+                           (``use_qk_norm``); NoPE layers scale q by a     layers: all of ``GL(d_k)``; chunked
+                           per-position temperature; chunked attention     attention only masks
 =========================  ==============================================  ==========================================
+
+Llama 4's weight-free norm: ``ν(u) = u/sqrt(mean(u²) + ε)`` keeps ``ν(Ou) = Oν(u)`` for orthogonal ``O``
+and nothing else with ``ε > 0`` (docs/qk_norm.md, "Why GL(d_k) dies", with all gains 1), and it
+acts after RoPE, whose rotations commute with the commutant: so ``A`` must be orthogonal *and* in
+the commutant. The per-position temperature on NoPE layers multiplies every query channel by one
+scalar, which commutes with all of ``GL(d_k)``.
 
 gpt-oss: Hugging Face runs its sinks in the ``eager`` kernel (SDPA has no sink column and the
 model does not offer it); any other kernel is refused.
@@ -38,6 +49,7 @@ import torch.nn as nn
 
 from gaugeopt.structure.adapters import qk_norm as qkn
 from gaugeopt.structure.adapters.hf import _llama_like, _path, _with_root_rope, implementation_refusal
+from gaugeopt.structure.recognise import equivalent_class
 from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
 
 __all__ = ["HF_RECENT_ADAPTERS"]
@@ -74,7 +86,42 @@ GPT_OSS_SPEC = AttentionSpec(
     sinks="sinks",
 )
 
+_LLAMA4_L2 = "transformers.models.llama4.modeling_llama4.Llama4TextL2Norm"
+
+
+def _llama4_refusal(m: nn.Module) -> str | None:
+    norm = getattr(m, "qk_norm", None)
+    if norm is not None:
+        path = f"{type(norm).__module__}.{type(norm).__qualname__}"
+        if path != _LLAMA4_L2 and not equivalent_class(type(norm), _LLAMA4_L2):
+            return f"qk_norm of type {path}: the adapter was verified with {_LLAMA4_L2}"
+        if "forward" in vars(norm):
+            return "qk_norm with a patched forward"
+        if not float(norm.eps) > 0:
+            return (f"qk_norm with eps={norm.eps}: without an epsilon the norm also forgets each head's scale, a "
+                    "larger Q/K group that gaugeopt has not derived for this model")
+    return implementation_refusal(m)
+
+
+def _llama4_orthogonal(m: nn.Module) -> str:
+    return "a weight-free L2 norm of each query and key head after RoPE (Llama 4 use_qk_norm)" if hasattr(m, "qk_norm") else ""
+
+
+def _llama4_float32(m: nn.Module) -> str:
+    steps = (["RoPE in float32 (Llama 4's apply_rotary_emb)"] if m.use_rope else []) + \
+        (["the L2 norm of q and k in float32"] if hasattr(m, "qk_norm") else [])
+    return "; ".join(steps)
+
+
+LLAMA4_SPEC = AttentionSpec(
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj", num_heads="config.num_attention_heads",
+    num_kv_heads="config.num_key_value_heads", head_dim="head_dim", kind="hf_llama4", refuse=_llama4_refusal,
+    qk_orthogonal=_llama4_orthogonal, float32_steps=_llama4_float32,
+)
+
 HF_RECENT_ADAPTERS = {
+    _path("llama4", "Llama4TextAttention"): _with_root_rope(LLAMA4_SPEC, partial=False, kind="interleaved",
+                                                            uses_rope=lambda m: bool(m.use_rope)),
     _path("gpt_oss", "GptOssAttention"): _with_root_rope(GPT_OSS_SPEC, partial=False),
     _path("glm4", "Glm4Attention"): _with_root_rope(_llama_like("hf_glm4"), partial=True, kind="interleaved"),
     _path("smollm3", "SmolLM3Attention"): _with_root_rope(_llama_like("hf_smollm3"), partial=False,
