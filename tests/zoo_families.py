@@ -229,6 +229,18 @@ QK_NORM = {
                                    num_experts_per_tok=2, moe_intermediate_size=16),
 }
 
+# Q/K-normalised families whose gain gauge is verified; the rest of QK_NORM is refused
+QK_NORM_SUPPORTED = ("hf_gemma3", "hf_olmo2", "hf_qwen3", "timm_qk_norm", "hf_phi_qk_layernorm", "hf_cohere_qk_norm",
+                     "torchtitan_qk_norm", "hf_qwen3_moe")
+QK_NORM_LRM = ("hf_phi_qk_layernorm", "hf_cohere_qk_norm", "hf_qwen3_moe")
+# Families that keep a float32 step of their own in a float64 model (named in their records), and the sectors
+# that pass through it: those are exact to float32 rounding only (tests/test_families.py)
+_THROUGH_QK = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias", "value_bias")  # RoPE, a Q/K norm: the certificate's list
+FLOAT32_STEP = {**{n: _THROUGH_QK for n in ("hf_cohere", "hf_modernbert", "hf_llama4", "hf_llama4_no_qk_norm",
+                                            "hf_cohere_qk_norm", "hf_qwen3_moe", "hf_qwen3", "hf_olmo2", "hf_gemma3",
+                                            "torchtitan_qk_norm")},
+                "hf_bloom": ("key_bias", "value_bias")}  # Bloom's softmax: the rows sum to one in float32
+
 NAMES = tuple(FAMILY)
 # Families whose attention projections apply_lrm converts (nn.Linear with [Q|K|V] blocks or separate
 # projections). Not: Falcon and torchtitan (their own nn.Linear subclasses, left alone), GPT-NeoX,

@@ -23,7 +23,7 @@ function               family and norm
 ``hf_stablelm``        HF StableLM with ``qk_layernorm``: one ``LayerNorm`` module per head (gains not one tensor) —
                        refused
 ``litgpt``             litgpt ``norm_qk``: ``norm_class(head_size)`` shared, or over all heads — refused
-``torchtitan``         torchtitan ``qk_norm``: ``RMSNorm(head_dim)`` shared by all heads — refused
+``torchtitan``         torchtitan ``qk_norm``: ``RMSNorm(head_dim)`` shared by all heads, before RoPE — supported
 =====================  ===========================================================================
 
 Example:
@@ -139,6 +139,23 @@ def litgpt(site: AttentionSite) -> AttentionSite:
     return refuse_qk_norm(site, "litgpt norm_qk=True")
 
 
+_TORCHTITAN_RMSNORM = "torchtitan.models.common.nn_modules.RMSNorm"
+
+
 def torchtitan(site: AttentionSite) -> AttentionSite:
-    """torchtitan ``qk_norm``: refused."""
-    return refuse_qk_norm(site, "torchtitan qk_norm")
+    """torchtitan ``qk_norm`` (its ``RMSNorm``, an ``nn.RMSNorm`` over ``head_dim`` shared by all heads, before
+    RoPE — Qwen3's layout): supported. Its forward is ``nn.RMSNorm``'s, inherited."""
+    m, name = site.module, site.name
+    for attr in ("q_norm", "k_norm"):
+        norm = getattr(m, attr)
+        if _path(norm) != _TORCHTITAN_RMSNORM or "forward" in vars(norm) or type(norm).forward is not nn.RMSNorm.forward:
+            raise refuse(name, f"{attr} of type {_path(norm)} (or with a replaced forward)",
+                         f"the adapter was verified with {_TORCHTITAN_RMSNORM} and nn.RMSNorm's forward")
+        if norm.weight is None:
+            raise refuse(name, f"{attr} without a learnable gain", "no continuous Q/K gauge is left; gaugeopt needs the gains")
+        if norm.eps is None:
+            raise refuse(name, f"{attr} with eps=None (the dtype's machine epsilon)",
+                         "set RMSNorm.Config(eps=...) so that the record's epsilon is the one the norm uses")
+    if m.q_norm.eps != m.k_norm.eps:
+        raise refuse(name, f"different epsilons on q_norm and k_norm {(m.q_norm.eps, m.k_norm.eps)}")
+    return site
