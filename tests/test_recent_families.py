@@ -190,6 +190,42 @@ def test_a_user_attention_with_sinks_is_certified_without_bias_sectors():
         registry._ADAPTERS.pop(SinkAttention, None)
 
 
+# ---------------------------------------------------------------------- Phi qk_layernorm: the count
+def test_phi_qk_layernorm_count_equals_the_nullity_of_one_layer():
+    """LayerNorm with bias over each head, shared, then partial RoPE: the gain gauge per plane (per channel
+    on the non-rotary ones), the mean direction of every head's rows, and the key bias on the channels
+    RoPE leaves alone — invisible there, since it adds a term that depends on the query only."""
+    transformers = require("transformers")
+    from gaugeopt.structure.invariance import randomize_parameters
+    from test_qk_norm_tools import _layer_nullity
+
+    cfg = transformers.PhiConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, partial_rotary_factor=0.5,
+                                 qk_layernorm=True, max_position_embeddings=64, pad_token_id=0)
+    cfg._attn_implementation = "sdpa"
+    model = quiet(transformers.PhiForCausalLM, cfg).double()
+    g = torch.Generator().manual_seed(0)
+    randomize_parameters(model, g)
+    x = torch.randn(2, 40, 16, generator=g, dtype=torch.float64)
+    cos_sin = model.model.rotary_emb(x, torch.arange(40)[None].expand(2, -1))
+
+    class Layer(nn.Module):
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = attn
+
+        def forward(self, h):
+            return self.attn(h, position_embeddings=cos_sin, attention_mask=None)[0]
+
+    layer = Layer(model.model.layers[0].self_attn)
+    params = {n: p for n, p in layer.named_parameters() if n != "attn.dense.bias"}  # no V/O bias trade
+    n, gap = _layer_nullity(layer, params, x)
+    counts = gaugeopt.gauge_dimension(model, per_symmetry=True)
+    d, h, d_k, r = 16, 2, 8, 4
+    assert counts == {"qk_gain": r // 2 + (d_k - r), "qk_layernorm": 2 * h * (d + 1) + (d_k - r), "vo": h * d_k**2}
+    assert n == sum(counts.values()) and gap > 1e4
+
+
 # ---------------------------------------------------------------------- Llama 4: the weight-free norm
 def test_llama4_norm_layers_keep_only_rotations():
     case, sites = _case("hf_llama4")

@@ -205,7 +205,7 @@ FAMILY = {
     "hf_roberta": (lambda: _hf("RobertaModel", "RobertaConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                                num_attention_heads=4, intermediate_size=48, max_position_embeddings=64, pad_token_id=1,
                                forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_bert", 4, "none"),
-    "hf_electra": (lambda: _hf("ElectraModel", "ElectraConfig", vocab_size=VOCAB, embedding_size=24, hidden_size=32,
+    "hf_electra": (lambda: _hf("ElectraModel", "ElectraConfig", vocab_size=VOCAB, embedding_size=32, hidden_size=32,
                                num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
                                forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_bert", 4, "none"),
 }

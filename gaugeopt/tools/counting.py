@@ -48,7 +48,8 @@ slots when the norm acts before RoPE (``"wang"``), ``d_k`` when RoPE is ignored 
 or acts first — per layer for a gain vector shared by all heads, per KV group for per-head gains
 (``"qk_gain"``). A LayerNorm adds directions the function never sees (``"qk_layernorm"``): the mean
 direction of every query and key head's rows, ``(h + h_kv)·(d_model [+ 1 with biases])``, and without
-RoPE the key bias (``d_k``), one query-bias shift and one centred rotation. With ``eps = 0`` every
+RoPE the key bias (``d_k``), one query-bias shift and one centred rotation; under partial RoPE the
+key bias on the ``d_k − r`` channels RoPE leaves alone (Phi). With ``eps = 0`` every
 head (per-head norm) or each side (full-width norm) gains a positive scale (``"qk_head_scale"``).
 Qwen3-0.6B: ``"wang"`` ``28·(64 + 8·128²) = 3,671,808``; ``"van_nierop"`` ``28·(128 + 8·128²) +
 1023·1022/2 = 4,196,353``.
@@ -223,6 +224,8 @@ def _qk_norm_counts(s: LayerShape, ignore_rope: bool) -> dict[str, int]:
         extra = (s.h + s.h_kv) * (s.d_model + int(s.qk_bias))  # the mean direction of every head's rows
         if not (s.rope.active and not ignore_rope):
             extra += 1 + (s.d_k + 1 if n.bias else 0)  # centred rotation; key bias, query-bias shift
+        elif n.bias:  # partial RoPE (Phi): the key bias on the channels RoPE leaves alone is still invisible
+            extra += s.d_k - s.rope.rotary_dim
         counts["qk_layernorm"] = extra
     if n.eps == 0:
         counts["qk_head_scale"] = (s.h + s.h_kv) if n.scope == "head" else 2

@@ -38,8 +38,9 @@ Hugging Face picks the attention kernel at every forward from ``config._attn_imp
 ``eager`` and ``sdpa`` are verified, anything else (flash, flex, a registered custom function) is
 refused until it is. OLMo's ``clip_qkv`` clamps the projections and breaks the gauge: refused while
 set. The Q/K-normalised families (Qwen3, OLMo 2, Gemma 3, Phi and StableLM with ``qk_layernorm``)
-are recognised, their :class:`~gaugeopt.structure.site.QKNorm` recorded, and refused
-(:mod:`gaugeopt.structure.adapters.qk_norm`).
+have their :class:`~gaugeopt.structure.site.QKNorm` recorded; the family's function in
+:mod:`gaugeopt.structure.adapters.qk_norm` supports it (the gain gauge) or refuses it (StableLM's
+norm modules per head). The 2025–26 families are in :mod:`gaugeopt.structure.adapters.hf_recent`.
 
 Example:
     >>> import transformers, gaugeopt
