@@ -295,7 +295,7 @@ def same_code(candidate: type, reference: type) -> bool:
     return _compare(candidate, reference, None)[0]
 
 
-_CLASS_CACHE: dict[tuple[int, str], bool] = {}
+_CLASS_CACHE: dict[tuple[int, str], tuple[type, bool]] = {}
 
 
 def equivalent_class(cls: type, reference_path: str) -> bool:
@@ -303,14 +303,15 @@ def equivalent_class(cls: type, reference_path: str) -> bool:
     ``reference_path``: every function in both class bodies and their bases compared as in the
     module docstring. Used by adapters that check the class of a sub-module (a QK-norm)."""
     key = (id(cls), reference_path)
-    if key not in _CLASS_CACHE:
+    hit = _CLASS_CACHE.get(key)
+    if hit is None or hit[0] is not cls:  # (an id can be reused once a class is gone)
         ref = _resolve(reference_path, cls)
         stems = None if ref is None else _stems(cls.__name__, ref.__name__)
         ok = False
         if ref is not None and stems is not None:
             ok = _Comparer(stems[0], stems[1], cls.__module__, ref.__module__).same_class(cls, ref, cls.__qualname__)
-        _CLASS_CACHE[key] = ok
-    return _CLASS_CACHE[key]
+        hit = _CLASS_CACHE[key] = (cls, ok)
+    return hit[1]
 
 
 def _resolve(path: str, near: type) -> type | None:
@@ -338,18 +339,19 @@ def _subclass_of_table(cls: type, table: dict) -> bool:
     return False
 
 
-_CACHE: dict[int, tuple[type, Recognition | None, str]] = {}
+_CACHE: dict[tuple, tuple[type, Recognition | None, str]] = {}
 
 
 def recognise(module: nn.Module, table: dict, verified: Callable[[Any], bool]) -> tuple[Recognition | None, str]:
     """The verified class ``module``'s class is a renamed copy of, or ``(None, why not)``.
 
     ``table`` is the adapter table (classes and import paths), ``verified(adapter)`` says which of
-    its adapters are built-in verified ones: only those are references. The result for a class is
-    cached (the sub-module classes of the first instance seen decide it).
+    its adapters are built-in verified ones: only those are references. The result is cached per class
+    and set of sub-module classes (an instance built from another config may have other sub-modules).
     """
     cls = type(module)
-    hit = _CACHE.get(id(cls))
+    key = (id(cls), tuple((n, id(type(c))) for n, c in module.named_children() if type(c).__module__ == cls.__module__))
+    hit = _CACHE.get(key)
     if hit is not None and hit[0] is cls:
         return hit[1], hit[2]
     result: Recognition | None = None
@@ -368,7 +370,7 @@ def recognise(module: nn.Module, table: dict, verified: Callable[[Any], bool]) -
             if ok:
                 result = Recognition(cls, ref, key)
                 break
-    _CACHE[id(cls)] = (cls, result, why)
+    _CACHE[key] = (cls, result, why)
     return result, why
 
 
