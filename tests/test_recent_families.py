@@ -105,6 +105,48 @@ def test_gauge_projected_step_removes_only_vertical_directions(name):
     assert random_dir >= 1e-6 and vertical <= max(1e-2 * random_dir, floor)
 
 
+@pytest.mark.parametrize("name", [n for n in NEW if n not in ("hf_llama4", "hf_phi_qk_layernorm", "hf_cohere_qk_norm")])
+def test_canonical_form_and_equivalence(name):
+    """The canonical form keeps the function, and a gauge copy is equivalent to the model (the
+    families whose Q/K gauge has a section: not Llama 4's norm layers nor a LayerNorm QK-norm)."""
+    from gaugeopt.tools.equivalence import compare
+
+    case, sites = _case(name)
+    kinds = [k for k in ("qk", "qk_gain", "vo", "perm") if any(k in _claimed(s) for s in sites)]
+    copy_ = case.copy()
+    for k in kinds:
+        _act_all(copy_, k, 3)
+    with zf.float64_islands_removed():
+        canon = gaugeopt.canonicalize(case.model).model
+        y, a = zf.attention_outputs(case, case.model)
+        yc, ac = zf.attention_outputs(case, canon)
+    tol = _tol(name)
+    assert max([gaugeopt.relative_change(y, yc)] + [gaugeopt.relative_change(p, q) for p, q in zip(a, ac)]) <= tol
+    assert compare(case.model, copy_, tol=1e-6).equivalent
+
+
+def _claimed(site):
+    from gaugeopt.structure.certificate import claimed_sectors
+
+    return claimed_sectors(site)
+
+
+def _act_all(model, kind, seed):
+    from gaugeopt.structure.certificate import _valid
+
+    g = torch.Generator().manual_seed(seed)
+    for site in gaugeopt.find_attention(model):
+        if kind in _claimed(site):
+            _valid(site, kind, g)
+
+
+@pytest.mark.parametrize("name", ["hf_llama4", "hf_phi_qk_layernorm", "hf_cohere_qk_norm"])
+def test_canonical_form_refuses_a_q_k_gauge_without_a_section(name):
+    case, _ = _case(name)
+    with pytest.raises(GaugeError, match="LayerNorm|orthogonal part of the Q/K gauge"):
+        gaugeopt.canonicalize(case.model)
+
+
 # ---------------------------------------------------------------------- gpt-oss: attention sinks
 def test_sinks_remove_the_bias_sectors_and_travel_with_their_heads():
     case, sites = _case("hf_gpt_oss")
@@ -127,6 +169,26 @@ def test_sinks_remove_the_bias_sectors_and_travel_with_their_heads():
     counts = gaugeopt.gauge_dimension(case.model, "complete", per_symmetry=True)
     assert "key_bias" not in counts and "value_bias" not in counts
     assert counts == gaugeopt.gauge_dimension(case.model.config, "complete", per_symmetry=True)
+
+
+def test_sinks_are_part_of_equivalence_canonical_forms_and_merging():
+    """A gauge copy (permuted heads carrying their sinks) is equivalent; one sink moved by 0.1 is not —
+    the sinks are per-head invariants, not gauge-inert tensors. Canonical forms and merging with a gauge
+    copy keep the function."""
+    from gaugeopt.tools.equivalence import compare
+
+    case, _ = _case("hf_gpt_oss")
+    copy_ = gaugeopt.random_gauge_transform(case.copy(), ("qk", "vo", "perm"), generator=1)
+    assert compare(case.model, copy_).equivalent
+    moved = case.copy()
+    with torch.no_grad():
+        moved.model.layers[0].self_attn.sinks[0] += 0.1
+    report = compare(case.model, moved)
+    assert not report.equivalent and "model.layers.0.self_attn" in report.reason
+    canon = gaugeopt.canonicalize(case.model).model
+    merged = gaugeopt.merge(case.model, copy_)
+    for m in (canon, merged.merged, merged.aligned):
+        assert gaugeopt.relative_change(case.logits(), case.logits(m)) <= 1e-10
 
 
 def test_gpt_oss_runs_only_with_its_eager_kernel():
