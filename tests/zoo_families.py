@@ -2,10 +2,14 @@
 
 ``build(name)`` returns a :class:`zoo.Case` (model with generic random parameters, inputs,
 ``forward(model) -> output``) like :func:`zoo.build`, so the rest of the suite can reuse them.
-Each model has 2 layers, 4 heads of width 8 (T5: 6) and GQA where the family has it. Hugging
-Face models use the ``sdpa`` kernel (float64 throughout) unless a variant says otherwise.
-:data:`EXPECT` is what :func:`gaugeopt.find_attention` must report for each: the adapter kind,
-the KV heads and the RoPE convention.
+Each model has 2 layers (Llama 4: 3, to have norm and NoPE layers), 4 heads of width 8 (T5: 6)
+and GQA where the family has it. Hugging Face models use the ``sdpa`` kernel (float64 throughout)
+unless a variant says otherwise (gpt-oss: ``eager``, its only kernel with sinks). :data:`FAMILY`
+holds what :func:`gaugeopt.find_attention` must report for each: the adapter kind, the KV heads and
+the RoPE convention of the first layer. :data:`QK_NORM` are the Q/K-normalised families
+(:data:`QK_NORM_SUPPORTED` of them supported, the rest refused); :data:`RECOGNISED` the ones reached
+by recognition by equivalence (unverified records: certify first); :data:`FLOAT32_STEP` the ones
+that compute part of their attention in float32 even in float64, with the sectors that step touches.
 """
 
 from __future__ import annotations
