@@ -311,6 +311,17 @@ def test_llama4_norm_layers_keep_only_rotations():
         gaugeopt.canonicalize(case.model)
 
 
+@pytest.mark.parametrize("lrm", [False, True])
+def test_llama4_projection_removes_exactly_the_plane_rotations(lrm):
+    """On the L2-norm layers the qk sector is the rotation of each RoPE plane (d_k/2 generators per KV
+    group): the exact projection equals least squares against those generators, built by the complex
+    step of the finite action, leaves the field orthogonal to them and is idempotent (the suite's own
+    check, tests/test_projection.py)."""
+    import test_projection
+
+    test_projection.test_exact_projection_matches_least_squares("hf_llama4", lrm, "qk")
+
+
 def test_llama4_norm_without_epsilon_is_refused():
     model, _, _ = zf.raw("hf_llama4")
     model.model.layers[0].self_attn.qk_norm.eps = 0.0

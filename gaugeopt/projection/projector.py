@@ -36,8 +36,9 @@ symmetry once queries and keys are normalised — and a ``qk_gain`` sector inste
 picks, for each site, what it has. For a LayerNorm QK-norm (timm) the gain gauge is what is
 projected; the further directions a LayerNorm leaves invisible (its key bias, a query-bias shift,
 the mean direction of each head's rows, one centred rotation) are not. A site that keeps only the
-orthogonal part of its Q/K gauge (``site.qk_orthogonal``: Llama 4's weight-free L2 norm) has no
-projected Q/K sector: its plane rotations (``d_k/2`` per KV group) are left in the field.
+orthogonal part of its Q/K gauge (``site.qk_orthogonal``: Llama 4's weight-free L2 norm) projects
+only the rotation of each RoPE plane in its ``qk`` sector (``d_k/2`` per KV group); with channels RoPE
+does not rotate it has no projected Q/K sector (not implemented; no model in use has that layout).
 
 GQA ties one ``X`` per KV group to all its query heads; biases travel with their rows;
 under LRM the dense gauges act through ``W̄`` (:mod:`gaugeopt.projection.dense`). With learnable
@@ -322,8 +323,8 @@ class GaugeProjector:
             owners = {id(ref.owner) for s in self.sites for _, ref in s.refs()}
             lrm_modules = [(n, m) for n, m in lrm_modules if id(m) in owners or any(id(p) in owners for p in m.parameters())]
         impl = {
-            "qk": DenseSector("qk", [s for s in self.sites if s.qk_norm is None and not s.qk_orthogonal],
-                              approx_iters=approx_iters),
+            "qk": DenseSector("qk", [s for s in self.sites if s.qk_norm is None and
+                                     not (s.qk_orthogonal and s.rope.rotary_dim < s.d_k)], approx_iters=approx_iters),
             "vo": DenseSector("vo", self.sites, approx_iters=approx_iters),
             "lrm_qk": DiagonalSector("lrm_qk", self.sites),
             "lrm_vo": DiagonalSector("lrm_vo", self.sites),

@@ -58,6 +58,8 @@ def unsupported_reason(sites: Sequence[AttentionSite], sector: str, tensors: Map
 
     if sector not in FUSED_SECTORS:
         return f"sector {sector!r} has no closed form (fused sectors: {FUSED_SECTORS}); it needs the Sylvester solve"
+    if sector == "qk" and any(s.qk_orthogonal for s in sites):
+        return "a site keeps only the orthogonal part of its Q/K gauge (a weight-free norm); the torch path projects it"
     sites = fused_sites(sites, sector)
     if not sites:
         return f"no site carries the {sector} gauge"

@@ -222,7 +222,7 @@ class AttentionSite:
             weight-free norm of each query and key head (Llama 4's L2 norm) keeps ``A`` only when it
             preserves lengths, so the ``qk`` sector is ``O(d_k)`` ∩ the RoPE commutant — a rotation per
             plane, ``SO`` of the non-rotary block — and the ``"qk"`` pair (scale balancing) and ``lrm_qk``
-            are not symmetries there.
+            are not symmetries there (the projection's ``qk`` sector keeps only the plane rotations).
         sinks: the per-head *sink* logits ``s_i`` (canonical ``(h,)``), or ``None``: a learned logit that
             joins each query head's softmax as an extra column with no value (gpt-oss), so a row's weights
             sum to ``1 − p_sink < 1``. The sinks leave ``qk``, ``vo`` and head permutations (which move
