@@ -30,7 +30,8 @@ LENGTH = 4
 
 @contextlib.contextmanager
 def float64_rmsnorm():
-    """``LlamaRMSNorm`` (and Mistral's, Qwen2's) computing in the input's dtype (module docstring)."""
+    """``LlamaRMSNorm`` (and Mistral's, Qwen2's, gpt-oss's) computing in the input's dtype (module docstring)."""
+    from transformers.models.gpt_oss import modeling_gpt_oss as mg
     from transformers.models.llama import modeling_llama as ml
     from transformers.models.mistral import modeling_mistral as mm
     from transformers.models.qwen2 import modeling_qwen2 as mq
@@ -38,7 +39,7 @@ def float64_rmsnorm():
     def forward(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    classes = (ml.LlamaRMSNorm, mm.MistralRMSNorm, mq.Qwen2RMSNorm)
+    classes = (ml.LlamaRMSNorm, mm.MistralRMSNorm, mq.Qwen2RMSNorm, mg.GptOssRMSNorm)
     saved = [c.forward for c in classes]
     for c in classes:
         c.forward = forward
@@ -72,6 +73,12 @@ def _hf(kind: str, **kw) -> nn.Module:
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**llama_like, **kw))
     if kind == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**llama_like, **kw))
+    if kind == "gpt_oss":  # attention sinks, biases, sliding window on one layer, two experts (both always chosen)
+        cfg = transformers.GptOssConfig(**{**llama_like, "attn_implementation": "eager"}, head_dim=2, num_local_experts=2,
+                                        num_experts_per_tok=2, sliding_window=2, layer_types=["sliding_attention", "full_attention"],
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kw)
+        cfg._experts_implementation = "eager"
+        return transformers.GptOssForCausalLM(cfg)
     raise KeyError(kind)
 
 
@@ -97,6 +104,7 @@ MODELS = {
     "hf_llama_bias": lambda: _hf("llama", attention_bias=True),
     "hf_qwen2": lambda: _hf("qwen2"),
     "hf_mistral": lambda: _hf("mistral"),
+    "hf_gpt_oss": lambda: _hf("gpt_oss"),
 }
 ACCEPTANCE = ("hf_gpt2", "hf_gpt2_untied", "hf_llama", "gpt", "gpt_nobias", "gpt+lrm")
 

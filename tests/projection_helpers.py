@@ -28,7 +28,7 @@ from gaugeopt.structure.actions import (
     trade_value_bias,
 )
 from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.rope import commutant_basis, plane_index
+from gaugeopt.structure.rope import commutant_basis, orthogonal_commutant_basis, plane_index
 
 EPS = 1e-30
 CDT = torch.complex128
@@ -100,7 +100,8 @@ def generator_images(
         for s in sites:
             cand = s.parameter_names()
             for j in kv_groups(s):
-                for E in commutant_basis(s.rope, s.d_k):
+                basis = orthogonal_commutant_basis(s.rope, s.d_k) if s.qk_orthogonal else commutant_basis(s.rope, s.d_k)
+                for E in basis:
                     out.append((s.name, _images(mc, lambda s=s, j=j, E=E: act_qk(s, _one(s.h_kv, s.d_k, j, E)), cand)))
     elif sector == "vo":
         for s in sites:

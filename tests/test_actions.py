@@ -12,6 +12,7 @@ from gaugeopt.structure.actions import (
     BIAS_INVALID_KINDS,
     INVALID_KINDS,
     QK_NORM_INVALID_KINDS,
+    SINK_INVALID_KINDS,
     applicable_invalid_kinds,
     act_qk,
     permute_heads,
@@ -68,8 +69,9 @@ def test_invalid_controls_change_function(name, lrm):
             continue
         if kind == "cross_head" and sites[0].h_kv < 2:
             continue
-        if kind in QK_NORM_INVALID_KINDS or (kind in BIAS_INVALID_KINDS and kind not in applicable_invalid_kinds(sites)):
-            with pytest.raises(GaugeError, match="needs"):  # QK-norm controls: tests/test_qk_norm.py
+        if kind in QK_NORM_INVALID_KINDS + SINK_INVALID_KINDS or (
+                kind in BIAS_INVALID_KINDS and kind not in applicable_invalid_kinds(sites)):
+            with pytest.raises(GaugeError, match="needs"):  # QK-norm, sinks: test_qk_norm.py, test_recent_families.py
                 gaugeopt.invalid_gauge_transform(case.copy(), kind)
             continue
         moved = gaugeopt.invalid_gauge_transform(case.copy(), kind, generator=torch.Generator().manual_seed(5))

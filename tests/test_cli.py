@@ -113,7 +113,8 @@ def test_verify_prints_paper_tables(ckpts, capsys):
     assert rc == 0 and err == ""
     assert "Tables 5-6" in out and "Table 7" in out
     rows = _rows(out)
-    plain = [k for k in gaugeopt.structure.actions.INVALID_KINDS if k not in gaugeopt.structure.actions.QK_NORM_INVALID_KINDS]
+    actions = gaugeopt.structure.actions
+    plain = [k for k in actions.INVALID_KINDS if k not in actions.QK_NORM_INVALID_KINDS + actions.SINK_INVALID_KINDS]
     assert set(plain) <= set(rows)  # every control of plain attention applies (RoPE, two KV groups)
     assert not set(gaugeopt.structure.actions.QK_NORM_INVALID_KINDS) & set(rows)
     assert float(rows["logits"][-1]) <= 1e-12

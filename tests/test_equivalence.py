@@ -9,7 +9,7 @@ import torch
 
 import gaugeopt
 import zoo
-from gaugeopt.structure.actions import INVALID_KINDS, QK_NORM_INVALID_KINDS, permute_heads
+from gaugeopt.structure.actions import INVALID_KINDS, QK_NORM_INVALID_KINDS, SINK_INVALID_KINDS, permute_heads
 from gaugeopt.tools.equivalence import compare, equivalent, spectral_fingerprint, match_heads
 from model_tools_helpers import (
     CORE_CASES,
@@ -64,7 +64,7 @@ def test_false_for_20_small_non_gauge_perturbations(cases, cid):
         assert change > 1e-12  # the function moved too: not a hidden gauge direction
 
 
-@pytest.mark.parametrize("kind", [k for k in INVALID_KINDS if k not in QK_NORM_INVALID_KINDS])  # QK-norm: test_qk_norm_tools.py
+@pytest.mark.parametrize("kind", [k for k in INVALID_KINDS if k not in QK_NORM_INVALID_KINDS + SINK_INVALID_KINDS])  # QK-norm: test_qk_norm_tools.py
 def test_invalid_gauge_controls_are_not_equivalent(kind):
     case = zoo.build("gpt_rope_partial_split_half", 2)
     moved = gaugeopt.invalid_gauge_transform(case.copy(), kind, torch.Generator().manual_seed(0))

@@ -23,7 +23,8 @@ from gaugeopt.tools.flat import covering_tokens, flat_directions
 NULLITY = {"hf_gpt2": 152, "hf_gpt2_untied": 173, "hf_llama": 108, "gpt": 152, "gpt_nobias": 117, "gpt+lrm": 264,
            "gpt_gqa": 200, "gpt_mqa": 168, "gpt_rope_interleaved": 132, "gpt_rope_split_half_gqa": 80,
            "gpt_rope_partial_interleaved": 276, "gpt_rope_partial_split_half": 180, "gpt_qknorm": 174,
-           "gpt_untied_rmsnorm_positions": 147, "hf_llama_bias": 116, "hf_qwen2": 108, "hf_mistral": 108}
+           "gpt_untied_rmsnorm_positions": 147, "hf_llama_bias": 116, "hf_qwen2": 108, "hf_mistral": 108,
+           "hf_gpt_oss": 142}
 # exact sectors each model must show (beyond qk/vo), and the non-symmetries it must show outside the null space
 SHOWN = {"hf_gpt2": ({"key_bias", "value_bias", "norm_bias", "norm_meanfree", "residual_ones"},
                      {"residual_rotation", "embedding_shift"}),
@@ -71,11 +72,14 @@ def test_nullity_equals_complete_count(name):
 @pytest.mark.parametrize("name", [n for n in flat_helpers.MODELS if n not in flat_helpers.ACCEPTANCE])
 def test_nullity_equals_complete_count_every_zoo_family(name):
     """GQA, MQA, RoPE (interleaved, split-half, partial), QK-norm, RMSNorm with learned positions,
-    Llama with biases, Qwen2, Mistral."""
+    Llama with biases, Qwen2, Mistral, gpt-oss (attention sinks, a top-k router over two experts)."""
     _, rep, counts = _measure(name)
     sectors, near = _check(name, rep, counts)
-    if "rope" in name or name.startswith(("hf_qwen2", "hf_llama_bias")):
+    if "rope" in name or name.startswith(("hf_qwen2", "hf_llama_bias", "hf_gpt_oss")):
         assert "key_bias_rope" in near  # under RoPE the key-bias shift on rotated channels is not flat
+    if name == "hf_gpt_oss":  # the sinks remove the value-bias trade: biased V and O, and the trade is not flat
+        assert "value_bias_sink" in near and not {"key_bias", "value_bias"} & (sectors | set(counts))
+        assert {"router_shift", "expert_up_scale", "residual_rotation"} <= sectors and "mlp_scale" not in counts
 
 
 def test_paper_counts_fall_short_of_the_null_space():

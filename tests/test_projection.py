@@ -35,8 +35,9 @@ def _gauge_count(model, sector: str, prefix: str, groups: str = "all") -> int:
     """Independent count of the generators of the first layer (docs/gauge_group.md)."""
     sites = [s for s in gaugeopt.find_attention(model) if s.name.startswith(prefix)]
     ng = (lambda s: s.h_kv) if groups == "all" else (lambda s: min(s.h_kv, 2))
-    if sector == "qk":
-        return sum(ng(s) * s.rope.qk_gauge_dim(s.d_k) for s in sites)
+    if sector == "qk":  # a weight-free norm per head (Llama 4) keeps only the rotations: d_k/2 per group
+        return sum(ng(s) * (s.rope.orthogonal_gauge_dim(s.d_k) if s.qk_orthogonal else s.rope.qk_gauge_dim(s.d_k))
+                   for s in sites)
     if sector == "vo":
         return sum(ng(s) * s.d_v**2 for s in sites)
     if sector == "lrm_qk":

@@ -2,10 +2,14 @@
 
 ``build(name)`` returns a :class:`zoo.Case` (model with generic random parameters, inputs,
 ``forward(model) -> output``) like :func:`zoo.build`, so the rest of the suite can reuse them.
-Each model has 2 layers, 4 heads of width 8 (T5: 6) and GQA where the family has it. Hugging
-Face models use the ``sdpa`` kernel (float64 throughout) unless a variant says otherwise.
-:data:`EXPECT` is what :func:`gaugeopt.find_attention` must report for each: the adapter kind,
-the KV heads and the RoPE convention.
+Each model has 2 layers (Llama 4: 3, to have norm and NoPE layers), 4 heads of width 8 (T5: 6)
+and GQA where the family has it. Hugging Face models use the ``sdpa`` kernel (float64 throughout)
+unless a variant says otherwise (gpt-oss: ``eager``, its only kernel with sinks). :data:`FAMILY`
+holds what :func:`gaugeopt.find_attention` must report for each: the adapter kind, the KV heads and
+the RoPE convention of the first layer. :data:`QK_NORM` are the Q/K-normalised families
+(:data:`QK_NORM_SUPPORTED` of them supported, the rest refused); :data:`RECOGNISED` the ones reached
+by recognition by equivalence (unverified records: certify first); :data:`FLOAT32_STEP` the ones
+that compute part of their attention in float32 even in float64, with the sectors that step touches.
 """
 
 from __future__ import annotations
@@ -173,7 +177,45 @@ FAMILY = {
                             decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
                             decoder_ffn_dim=48, max_position_embeddings=64, dropout=0.0, pad_token_id=1, bos_token_id=0,
                             eos_token_id=2, decoder_start_token_id=2, forward=_encdec), "hf_bart", 4, "none"),
+    # 2025-26 families with their own adapters (gaugeopt.structure.adapters.hf_recent)
+    "hf_glm4": (_hf_llama_like("Glm4ForCausalLM", "Glm4Config", head_dim=8, attention_bias=True, partial_rotary_factor=0.5),
+                "hf_glm4", 2, "interleaved:4"),
+    "hf_smollm3_nope": (_hf_llama_like("SmolLM3ForCausalLM", "SmolLM3Config", attention_bias=True, no_rope_layers=[1, 0]),
+                        "hf_smollm3", 2, "split_half:8"),  # layer 1: no RoPE
+    "hf_cohere": (_hf_llama_like("CohereForCausalLM", "CohereConfig", attention_bias=True, logit_scale=0.5),
+                  "hf_cohere", 2, "interleaved:8"),
+    "hf_modernbert": (lambda: _hf("ModernBertModel", "ModernBertConfig", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                  global_attn_every_n_layers=2, local_attention=4, attention_bias=True, pad_token_id=0,
+                                  bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0,
+                                  forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_modernbert", 4, "split_half:8"),
+    "hf_gpt_oss": (_hf_llama_like("GptOssForCausalLM", "GptOssConfig", impl="eager", head_dim=8, num_local_experts=2,
+                                  num_experts_per_tok=2, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+                   "hf_gpt_oss", 2, "split_half:8"),
+    "hf_llama4": (_hf_llama_like("Llama4ForCausalLM", "Llama4TextConfig", head_dim=8, attention_bias=True,
+                                 intermediate_size_mlp=48, num_hidden_layers=3, num_local_experts=2, num_experts_per_tok=1,
+                                 no_rope_layers=[1, 1, 0], use_qk_norm=True, attention_chunk_size=4,
+                                 attn_temperature_tuning=True, floor_scale=4, attn_scale=0.1, interleave_moe_layer_step=2),
+                  "hf_llama4", 2, "interleaved:8"),  # layers 0, 1: RoPE + L2 norm; layer 2: NoPE
+    "hf_llama4_no_qk_norm": (_hf_llama_like("Llama4ForCausalLM", "Llama4TextConfig", head_dim=8, intermediate_size_mlp=48,
+                                            num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 0],
+                                            use_qk_norm=False, attention_chunk_size=4, interleave_moe_layer_step=1),
+                             "hf_llama4", 2, "interleaved:8"),
+    # renamed copies of verified classes, recognised by equivalence (gaugeopt.structure.recognise): certified first
+    "hf_granite": (_hf_llama_like("GraniteForCausalLM", "GraniteConfig", attention_bias=True, attention_multiplier=0.3,
+                                  embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
+                   "hf_llama", 2, "split_half:8"),
+    "hf_roberta": (lambda: _hf("RobertaModel", "RobertaConfig", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=48, max_position_embeddings=64, pad_token_id=1,
+                               forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_bert", 4, "none"),
+    "hf_electra": (lambda: _hf("ElectraModel", "ElectraConfig", vocab_size=VOCAB, embedding_size=32, hidden_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, intermediate_size=48, max_position_embeddings=64,
+                               forward=lambda m, x: m(input_ids=x).last_hidden_state), "hf_bert", 4, "none"),
 }
+# Families handled through recognition by equivalence: their records are not verified, so the tests
+# certify them first (as the gate does at first use).
+RECOGNISED = ("hf_granite", "hf_roberta", "hf_electra", "hf_qwen3_moe")
 
 # The QK-normalised families: recognised by find_attention and refused (per-head Q/K normalisation).
 QK_NORM = {
@@ -186,7 +228,22 @@ QK_NORM = {
     "litgpt_norm_qk": lambda: _litgpt(norm_qk=True),
     "litgpt_norm_qk_olmo2": lambda: _litgpt(norm_qk=True, norm_qk_type="olmo2"),
     "torchtitan_qk_norm": lambda: _torchtitan(qk_norm=True),
+    "hf_cohere_qk_norm": _hf_llama_like("CohereForCausalLM", "CohereConfig", attention_bias=True, use_qk_norm=True),
+    "hf_qwen3_moe": _hf_llama_like("Qwen3MoeForCausalLM", "Qwen3MoeConfig", head_dim=8, attention_bias=True, num_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=16),
 }
+
+# Q/K-normalised families whose gain gauge is verified; the rest of QK_NORM is refused
+QK_NORM_SUPPORTED = ("hf_gemma3", "hf_olmo2", "hf_qwen3", "timm_qk_norm", "hf_phi_qk_layernorm", "hf_cohere_qk_norm",
+                     "torchtitan_qk_norm", "hf_qwen3_moe")
+QK_NORM_LRM = ("hf_phi_qk_layernorm", "hf_cohere_qk_norm", "hf_qwen3_moe")
+# Families that keep a float32 step of their own in a float64 model (named in their records), and the sectors
+# that pass through it: those are exact to float32 rounding only (tests/test_families.py)
+_THROUGH_QK = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias", "value_bias")  # RoPE, a Q/K norm: the certificate's list
+FLOAT32_STEP = {**{n: _THROUGH_QK for n in ("hf_cohere", "hf_modernbert", "hf_llama4", "hf_llama4_no_qk_norm",
+                                            "hf_cohere_qk_norm", "hf_qwen3_moe", "hf_qwen3", "hf_olmo2", "hf_gemma3",
+                                            "torchtitan_qk_norm")},
+                "hf_bloom": ("key_bias", "value_bias")}  # Bloom's softmax: the rows sum to one in float32
 
 NAMES = tuple(FAMILY)
 # Families whose attention projections apply_lrm converts (nn.Linear with [Q|K|V] blocks or separate

@@ -233,6 +233,8 @@ def plan_pairs(
     plans = []
     for site in sites:
         for kind in kinds:
+            if kind == "qk" and site.qk_orthogonal:
+                continue  # the norm fixes each head's scale: no Q/K scale is a gauge there
             pair = site.pair(site.qk_kind if kind == "qk" else kind)
             m = _resolve_mode(pair, mode)
             gran, slot, n_slots = _slots(pair, granularity if kind == "qk" else vo_granularity)

@@ -31,6 +31,11 @@ When the twists of a group agree (no LRM; or LRM without GQA) the substitution
 in closed form for the whole batch (:class:`~gaugeopt.projection.sylvester.SylvesterInverse`). With
 LRM + GQA the per-head twists differ and the system is solved by preconditioned CG.
 
+**Orthogonal Q/K gauge** (``site.qk_orthogonal``: a weight-free norm per head, Llama 4). Only the
+antisymmetric part survives, ``b·J`` on each plane: the plane's 1×1 problem ``b = r_J / g_JJ``.
+Such a site must rotate every channel (a non-rotary block would need ``so(d_k − r)``, which is
+not implemented: :class:`DenseSector` refuses it, and the projector leaves such a site out).
+
 **RoPE.** ``X`` must commute with the rotations: ``a·I + b·J`` on each plane ``(p, q)``, free
 on the non-rotary block. The images of ``I_m`` and ``J_m`` live on the rows ``p, q`` only, so
 planes are mutually orthogonal and orthogonal to the free block: each plane is a 2×2 problem
@@ -82,7 +87,7 @@ from dataclasses import dataclass
 import torch
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.pair import PairSide
+from gaugeopt.structure.pair import GaugePair, PairSide
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.projection import sylvester
 from gaugeopt.projection.sylvester import ShiftedSylvester, SylvesterInverse, batched_pcg
@@ -193,6 +198,7 @@ class _Site:
     p: slice | None
     q: slice | None
     n_planes: int
+    orthogonal: bool = False  # only b·J per plane (site.qk_orthogonal)
 
     def key(self) -> tuple:
         """Sites with equal keys are solved in one batch (and stacked on CUDA)."""
@@ -257,19 +263,24 @@ class DenseSector:
         self._warm: dict[tuple, torch.Tensor] = {}  # batch key -> the last approx coefficients
         self.static: list[_Site] = []
         for s in sites:
-            pair = s.pair(kind)
+            pair = GaugePair.of(s, kind, orthogonal_ok=True)
             n = s.d_k if kind == "qk" else s.d_v
             planes = pair.rope.planes(n) if pair.rope.active else []
             in_plane = {c for pq in planes for c in pq}
             free = [c for c in range(n) if c not in in_plane]
+            orthogonal = kind == "qk" and bool(s.qk_orthogonal)
+            if orthogonal and free:
+                raise GaugeError(f"DenseSector: {s.name} keeps only the orthogonal Q/K gauge and has {len(free)} channels "
+                                 "RoPE does not rotate; their so(d) part is not implemented (leave the site out)")
             self.static.append(_Site(s, pair.a, pair.b, n, _index(free), len(free),
-                                     _index([p for p, _ in planes]), _index([q for _, q in planes]), len(planes)))
+                                     _index([p for p, _ in planes]), _index([q for _, q in planes]), len(planes),
+                                     orthogonal))
 
     # ------------------------------------------------------------------ structure
     def refs(self) -> list[TensorRef]:
         out = []
         for s in self.sites:
-            for side in s.pair(self.name).sides():
+            for side in GaugePair.of(s, self.name, orthogonal_ok=True).sides():
                 out += [r for r in (side.weight, side.bias) if r is not None]
         return out
 
@@ -278,7 +289,10 @@ class DenseSector:
 
     def dimension(self) -> int:
         """Number of generators: per KV group ``d_k²`` (RoPE-reduced) for ``qk``, ``d_v²`` for ``vo``."""
-        return sum(s.h_kv * (s.rope.qk_gauge_dim(s.d_k) if self.name == "qk" else s.d_v**2) for s in self.sites)
+        def qk(s):
+            return s.rope.orthogonal_gauge_dim(s.d_k) if s.qk_orthogonal else s.rope.qk_gauge_dim(s.d_k)
+
+        return sum(s.h_kv * (qk(s) if self.name == "qk" else s.d_v**2) for s in self.sites)
 
     # ------------------------------------------------------------------ prepare (depends on θ only)
     def prepare(self, ctx) -> _Prepared:
@@ -634,7 +648,11 @@ def _plane_apply(pt: _Point, u, out, coefs) -> None:
     rJ = _grouped_sum(al * _pdot(dAp, Aq, dapb, aqb) - _pdot(dAq, Ap, daqb, apb) / al, kA) \
         + _grouped_sum(be * _pdot(dBp, Bq, dbpb, bqb) - _pdot(dBq, Bp, dbqb, bpb) / be, kB)
     gII, gIJ, gJJ = pl["gram"]
-    a, b = _solve_2x2(gII, gIJ, gJJ, rI, rJ, pl["rtol"])  # (G, planes)
+    if st.orthogonal:  # only the rotation b·J of each plane is a gauge
+        a = torch.zeros_like(rJ)
+        b = torch.where(gJJ > 0, rJ / gJJ.clamp_min(torch.finfo(gJJ.dtype).tiny), torch.zeros_like(rJ))
+    else:
+        a, b = _solve_2x2(gII, gIJ, gJJ, rI, rJ, pl["rtol"])  # (G, planes)
     aA, bA, aB, bB = _per_head(a, kA), _per_head(b, kA), _per_head(a, kB), _per_head(b, kB)
     oAp, oAq, oapb, oaqb = _plane_rows(_rows(st.sa, out), P, Q)
     oBp, oBq, obpb, obqb = _plane_rows(_rows(st.sb, out), P, Q)

@@ -98,7 +98,7 @@ class DiagonalSector:
         else:
             self.mode = "lrm"
             pk = "qk" if kind == "lrm_qk" else "vo"
-            pairs = [s.pair(pk) for s in sites if not (pk == "qk" and s.qk_norm is not None)]
+            pairs = [s.pair(pk) for s in sites if not (pk == "qk" and (s.qk_norm is not None or s.qk_orthogonal))]
             self.pairs = [p for p in pairs if p.has_multipliers]
         self.members = [(p.a.members(self.mode), p.b.members(self.mode)) for p in self.pairs]
         self.pids = [plane_index(p.rope, p.width) for p in self.pairs]  # one id per channel without RoPE

@@ -35,7 +35,10 @@ symmetry once queries and keys are normalised — and a ``qk_gain`` sector inste
 (docs/qk_norm.md); their ``vo``, ``lrm_vo`` and ``lrm_internal`` sectors are unchanged. ``"auto"``
 picks, for each site, what it has. For a LayerNorm QK-norm (timm) the gain gauge is what is
 projected; the further directions a LayerNorm leaves invisible (its key bias, a query-bias shift,
-the mean direction of each head's rows, one centred rotation) are not.
+the mean direction of each head's rows, one centred rotation) are not. A site that keeps only the
+orthogonal part of its Q/K gauge (``site.qk_orthogonal``: Llama 4's weight-free L2 norm) projects
+only the rotation of each RoPE plane in its ``qk`` sector (``d_k/2`` per KV group); with channels RoPE
+does not rotate it has no projected Q/K sector (not implemented; no model in use has that layout).
 
 GQA ties one ``X`` per KV group to all its query heads; biases travel with their rows;
 under LRM the dense gauges act through ``W̄`` (:mod:`gaugeopt.projection.dense`). With learnable
@@ -325,7 +328,9 @@ class GaugeProjector:
             lrm_modules = [(n, m) for n, m in lrm_modules if id(m) in owners or any(id(p) in owners for p in m.parameters())]
         self.frozen: list[str] = []  # (sector, unit) pairs left out because they would move a frozen tensor
         keep = self._trainable if trainable_only else (lambda kind, units, make: units)
-        dense = [s for s in self.sites if s.qk_norm is None]
+        # a layer whose Q/K gauge is only the rotations of its RoPE planes (an L2 Q/K norm, Llama 4) has no dense
+        # qk sector when it also has channels RoPE leaves alone (no model in use does; docs/projection.md)
+        dense = [s for s in self.sites if s.qk_norm is None and not (s.qk_orthogonal and s.rope.rotary_dim < s.d_k)]
         impl = {
             "qk": DenseSector("qk", keep("qk", dense, lambda u: DenseSector("qk", u)), approx_iters=approx_iters),
             "vo": DenseSector("vo", keep("vo", self.sites, lambda u: DenseSector("vo", u)), approx_iters=approx_iters),

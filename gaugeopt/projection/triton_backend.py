@@ -39,7 +39,7 @@ def _members(site: AttentionSite, sector: str) -> tuple[tuple[Member, ...], tupl
 def fused_sites(sites: Sequence[AttentionSite], sector: str) -> list[AttentionSite]:
     """The sites that carry ``sector`` (a QK-norm site carries neither ``qk`` nor ``lrm_qk``)."""
     if sector in ("qk", "lrm_qk"):
-        sites = [s for s in sites if s.qk_norm is None]
+        sites = [s for s in sites if s.qk_norm is None and not s.qk_orthogonal]
     if sector in ("lrm_qk", "lrm_vo"):
         return [s for s in sites if _pair(s, sector).has_multipliers]
     return list(sites)
@@ -58,6 +58,8 @@ def unsupported_reason(sites: Sequence[AttentionSite], sector: str, tensors: Map
 
     if sector not in FUSED_SECTORS:
         return f"sector {sector!r} has no closed form (fused sectors: {FUSED_SECTORS}); it needs the Sylvester solve"
+    if sector == "qk" and any(s.qk_orthogonal for s in sites):
+        return "a site keeps only the orthogonal part of its Q/K gauge (a weight-free norm); the torch path projects it"
     sites = fused_sites(sites, sector)
     if not sites:
         return f"no site carries the {sector} gauge"

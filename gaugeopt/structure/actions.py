@@ -51,7 +51,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.linalg import random_well_conditioned
 from gaugeopt.structure.bias import BIAS_SECTORS, missing_reason
 from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant
+from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant, random_orthogonal_commutant
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.gate import trusted_sites
 
@@ -75,6 +75,7 @@ __all__ = [
     "INVALID_KINDS",
     "QK_NORM_INVALID_KINDS",
     "BIAS_INVALID_KINDS",
+    "SINK_INVALID_KINDS",
     "applicable_invalid_kinds",
 ]
 
@@ -82,9 +83,10 @@ BIAS_KINDS = BIAS_SECTORS
 VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias")
 INVALID_KINDS = ("asymmetric_qk", "wrong_inverse", "vo_mismatch", "cross_head", "gl_under_rope",
                  "qk_under_norm", "head_scalar", "gain_off_plane", "gain_untied", "gain_without_bias",
-                 "key_bias_rope", "value_bias_alone")
+                 "key_bias_rope", "value_bias_alone", "sinks_unmoved", "bias_under_sinks")
 QK_NORM_INVALID_KINDS = INVALID_KINDS[5:10]  # controls that need a QK-norm site
-BIAS_INVALID_KINDS = INVALID_KINDS[10:]  # controls that need a key bias under RoPE, a value bias
+BIAS_INVALID_KINDS = INVALID_KINDS[10:12]  # controls that need a key bias under RoPE, a value bias
+SINK_INVALID_KINDS = INVALID_KINDS[12:]  # controls that need attention sinks
 _NOT_UNDER_NORM = ("qk", "lrm_qk")  # valid kinds that a QK-norm site does not have
 
 
@@ -128,6 +130,13 @@ def act_qk(site: AttentionSite, A: torch.Tensor, *, B_inv: torch.Tensor | None =
     _expect(A, (site.h_kv, site.d_k, site.d_k), "A")
     if check:
         _check_commutes(site, A)
+        if site.qk_orthogonal:
+            eye = torch.eye(site.d_k, dtype=A.dtype, device=A.device)
+            if float((A.mT @ A - eye).abs().amax()) > 1e-10:
+                raise GaugeError(
+                    f"{site.name}: A is not orthogonal; only the orthogonal part of the Q/K gauge is a symmetry here "
+                    f"({site.qk_orthogonal}): use gaugeopt.structure.rope.random_orthogonal_commutant"
+                )
     wq, bq = site.effective("q")
     wk, bk = site.effective("k")
     A = A.to(wq)
@@ -194,6 +203,9 @@ def permute_heads(site: AttentionSite, kv_perm: torch.Tensor, q_perm: torch.Tens
     if site.o.col_mult is not None:
         c = site.o.col_mult.get()
         c.copy_(c[q_perm])
+    if site.sinks is not None:  # each query head's sink logit moves with it
+        v = site.sinks.get()
+        v.copy_(v[q_perm])
     if site.qk_norm is not None and site.qk_norm.per_head:  # per-head gains move with their heads
         n_ = site.qk_norm
         for ref, perm in ((n_.q_gain, q_perm), (n_.q_bias, q_perm), (n_.k_gain, kv_perm), (n_.k_bias, kv_perm)):
@@ -218,6 +230,9 @@ def scale_qk_multipliers(site: AttentionSite, delta: torch.Tensor, *, check: boo
     """
     _require_mults(site, (("q", "row_mult"), ("k", "row_mult")))
     _expect(delta, (site.h_kv, site.d_k), "delta")
+    if site.qk_orthogonal:
+        raise GaugeError(f"{site.name}: rescaling r_Q against r_K changes its function ({site.qk_orthogonal}: the norm "
+                         "undoes the scale of each head, per channel it does not)")
     if site.qk_norm is not None:
         raise GaugeError(
             f"{site.name} normalises queries and keys (QK-norm): rescaling r_Q against r_K changes its function (the "
@@ -357,6 +372,8 @@ def _site_kinds(site: AttentionSite, kinds: tuple[str, ...], explicit: bool, wha
         why = ("it normalises queries and keys (QK-norm): {} is not a symmetry there; its Q/K gauge is kind "
                "'qk_gain' (the norm's gains, docs/qk_norm.md)")
         lacking = {"qk": why.format("GL(d_k) on W_Q/W_K"), "lrm_qk": why.format("rescaling r_Q against r_K")}
+    if site.qk_orthogonal:
+        lacking["lrm_qk"] = f"rescaling r_Q against r_K is not a symmetry ({site.qk_orthogonal})"
     for kind in BIAS_KINDS:
         why = missing_reason(site, kind)
         if why is not None:
@@ -399,6 +416,9 @@ def random_gauge_transform(
     Returns:
         ``model``.
     """
+    if not isinstance(model, nn.Module):
+        raise GaugeError(f"random_gauge_transform: model must be an nn.Module (it is modified and returned), got "
+                         f"{type(model).__name__}")
     generator = as_generator(generator, "random_gauge_transform")
     sites = trusted_sites(model, "random_gauge_transform", sites=sites)
     has_lrm = any(isinstance(m, LRMLinear) for m in model.modules())
@@ -446,6 +466,8 @@ def apply_valid(site: AttentionSite, kind: str, generator: torch.Generator | Non
         scale_qk_multipliers(site, per_plane[:, pid])
     elif kind == "lrm_vo":
         scale_vo_multipliers(site, _log_uniform((site.h_kv, site.d_v), log_scale, g, dtype))
+    elif kind == "qk" and site.qk_orthogonal:  # a rotation per RoPE plane, SO of the non-rotary block
+        act_qk(site, random_orthogonal_commutant(site.rope, site.d_k, site.h_kv, generator=g))
     elif kind == "qk":
         act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
     elif kind == "qk_gain":
@@ -491,8 +513,9 @@ def _invalid_sites(sites: Sequence[AttentionSite], kind: str) -> list[AttentionS
     need = {
         "gl_under_rope": (lambda s: s.rope.active, "a model with RoPE"),
         "cross_head": (lambda s: s.h_kv >= 2, "at least two KV heads"),
-        "qk_under_norm": (lambda s: s.qk_norm is not None, "a QK-norm model"),
-        "head_scalar": (lambda s: s.qk_norm is not None and (s.qk_norm.eps > 0 or s.qk_norm.scope == "full"),
+        "qk_under_norm": (lambda s: s.qk_norm is not None or bool(s.qk_orthogonal), "a QK-norm model"),
+        "head_scalar": (lambda s: bool(s.qk_orthogonal) or
+                        s.qk_norm is not None and (s.qk_norm.eps > 0 or s.qk_norm.scope == "full"),
                         "a QK-norm model with eps > 0 (with eps = 0 a per-head scalar is a symmetry of a per-head norm)"),
         "gain_off_plane": (lambda s: s.qk_norm is not None and s.qk_norm.before_rope and s.rope.active,
                            "a QK-norm model whose norm acts before RoPE"),
@@ -503,6 +526,10 @@ def _invalid_sites(sites: Sequence[AttentionSite], kind: str) -> list[AttentionS
         "key_bias_rope": (lambda s: s.k.bias is not None and s.qk_norm is None and s.rope.active,
                           "a key bias under RoPE"),
         "value_bias_alone": (lambda s: s.v.bias is not None, "a value bias"),
+        "sinks_unmoved": (lambda s: s.sinks is not None and s.h > 1 and not s.fixed_head_order,
+                          "attention sinks on more than one head"),
+        "bias_under_sinks": (lambda s: s.sinks is not None and _sink_bias_shift(s) is not None,
+                             "attention sinks with a key bias on non-rotary channels, or value and output biases"),
     }
     if kind not in need:
         return list(sites)
@@ -532,8 +559,9 @@ def invalid_gauge_transform(
     ``vo_mismatch``        ``W_V ← Cᵀ W_V``, ``W_O ← W_O D⁻ᵀ`` with an independent ``D``
     ``cross_head``         one ``M ∈ GL(h_kv·d_k)`` mixing the KV groups, ``Mᵀ`` on Q and ``M⁻¹`` on K
     ``gl_under_rope``      a general ``A ∈ GL(d_k)`` (outside the RoPE commutant) with its true inverse
-    ``qk_under_norm``      QK-norm sites: the plain-attention Q/K gauge, ``A`` in the RoPE commutant
-                           (all of ``GL(d_k)`` without RoPE) with its true inverse, on ``W_Q``/``W_K``
+    ``qk_under_norm``      QK-norm sites (and weight-free norms, ``qk_orthogonal``): the plain-attention
+                           Q/K gauge, ``A`` in the RoPE commutant (all of ``GL(d_k)`` without RoPE) with its
+                           true inverse, on ``W_Q``/``W_K``
     ``head_scalar``        QK-norm sites with ``eps > 0``: ``W_Q[i], b_Q[i] ← c_i·(W_Q[i], b_Q[i])`` with
                            ``c_i = 10^U(−2, −1)`` per query head (a symmetry only at ``eps = 0``,
                            and there only for a per-head norm)
@@ -545,6 +573,9 @@ def invalid_gauge_transform(
     ``key_bias_rope``      a key bias under RoPE: ``b_K[j][c] += δ`` on the *rotated* channels
                            (the key-bias shift is a symmetry only on the others)
     ``value_bias_alone``   ``b_V[j] += δ`` without the output bias taking ``W_O δ`` back
+    ``sinks_unmoved``      attention sinks: a head permutation of everything but the sinks
+    ``bias_under_sinks``   attention sinks: the value-bias trade (or, without it, the key-bias shift on
+                           the non-rotary channels), which the sinks break (:mod:`gaugeopt.structure.bias`)
     =====================  ===============================================================
 
     Raises:
@@ -574,18 +605,18 @@ def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | N
     if kind == "asymmetric_qk":
         A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
         B = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
-        act_qk(site, A, B_inv=torch.linalg.inv(B))
+        act_qk(site, A, B_inv=torch.linalg.inv(B), check=False)  # A, B in the commutant by construction
     elif kind == "wrong_inverse":
         A = random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g)
-        act_qk(site, A, B_inv=A.mT)
+        act_qk(site, A, B_inv=A.mT, check=False)
     elif kind == "vo_mismatch":
         act_vo(site, rwc(site.h_kv, site.d_v), D=rwc(site.h_kv, site.d_v))
     elif kind == "gl_under_rope":
         act_qk(site, rwc(site.h_kv, site.d_k), check=False)
     elif kind == "cross_head":
         _mix_heads(site, rwc(1, site.h_kv * site.d_k)[0])
-    elif kind == "qk_under_norm":
-        act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g))
+    elif kind == "qk_under_norm":  # in the commutant by construction; not orthogonal (check=False lets it through)
+        act_qk(site, random_commutant(site.rope, site.d_k, site.h_kv, log_scale=log_scale, generator=g), check=False)
     elif kind == "head_scalar":
         c = 10.0 ** (torch.rand(site.h, generator=g, dtype=torch.float64) - 2.0)  # in [0.01, 0.1)
         wq, bq = site.effective("q")
@@ -607,6 +638,37 @@ def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | N
     elif kind == "value_bias_alone":
         _, bv = site.effective("v")
         site.set_effective_bias("v", bv + log_scale * torch.randn(bv.shape, generator=g, dtype=torch.float64).to(bv))
+    elif kind == "sinks_unmoved":
+        saved = site.sinks.get().detach().clone()
+        kv_perm = torch.arange(site.h_kv).roll(1) if site.h_kv > 1 else torch.arange(1)
+        q_perm = (kv_perm[:, None] * site.n_rep + torch.arange(site.n_rep).roll(1)[None, :]).reshape(-1)
+        permute_heads(site, kv_perm, q_perm)
+        with torch.no_grad():
+            site.sinks.get().copy_(saved)
+    elif kind == "bias_under_sinks":
+        with torch.no_grad():
+            _sink_bias_shift(site)(log_scale, g)
+
+
+def _sink_bias_shift(site: AttentionSite):
+    """The bias move that would be a symmetry without the sinks: the value-bias trade where the site has
+    value and output biases, else the key-bias shift on its non-rotary channels (``None``: neither)."""
+    if site.v.bias is not None and site.o.bias is not None:
+        def trade(scale, g):
+            wo, bo = site.effective("o")
+            _, bv = site.effective("v")
+            delta = scale * torch.randn(site.h_kv, site.d_v, generator=g, dtype=torch.float64)
+            site.set_effective_bias("v", bv + delta.to(bv))
+            site.set_effective_bias("o", bo - torch.einsum("dhv,hv->d", wo, site.per_query(delta).to(wo)).to(bo))
+        return trade
+    free = [c for c in range(site.d_k) if c not in {x for plane in site.rope.planes(site.d_k) for x in plane}]
+    if site.k.bias is not None and free and site.qk_norm is None:
+        def shift(scale, g):
+            _, bk = site.effective("k")
+            bk[:, free] += scale * torch.randn(site.h_kv, len(free), generator=g, dtype=torch.float64).to(bk)
+            site.set_effective_bias("k", bk)
+        return shift
+    return None
 
 
 @torch.no_grad()

@@ -19,6 +19,12 @@ a shift common to all of them (a causal or padding mask only removes keys). Valu
 of attention weights ``α_i·`` sums to one, so ``Σ_j α_ij (v_j + δ) = Σ_j α_ij v_j + δ`` — every head
 of the group adds ``W_O[:, i] δ`` to the output, which the output bias takes back.
 
+**Attention sinks** (gpt-oss: a learned logit ``s_i`` per query head joins the softmax as a column
+with no value) remove both. The key-bias shift moves every key score by ``q_i·δ`` but not the sink's,
+so the weights change; and a row of weights over the keys sums to ``1 − p_sink(i, t) < 1``, which
+depends on the query, so ``Σ_j α_ij (v_j + δ) = Σ_j α_ij v_j + (1 − p_sink)δ`` is no longer a constant
+the output bias can take back.
+
 **Where they are not symmetries.** Under RoPE the key at position ``p`` is rotated, so on a rotary
 coordinate the shift becomes ``q_iᵀ R_{p−i} δ``, which depends on the key's position: it changes
 the function (``invalid_gauge_transform(kind="key_bias_rope")`` measures it); only the ``d_k − r``
@@ -70,7 +76,14 @@ def free_key_channels(site: "AttentionSite") -> tuple[int, ...]:
     return tuple(c for c in range(site.d_k) if c not in rotated)
 
 
-def _reason(kind: str, *, k_bias: bool, v_bias: bool, o_bias: bool, qk_norm: bool, free: int, rope: str) -> str | None:
+SINKS_KEY = ("its softmax has a learned sink logit per head (attention sinks), which a shift of the key scores does "
+             "not move")
+SINKS_VALUE = ("its attention weights sum to 1 − p_sink < 1 (attention sinks), a share that depends on the query, so "
+               "no output bias can take a value shift back")
+
+
+def _reason(kind: str, *, k_bias: bool, v_bias: bool, o_bias: bool, qk_norm: bool, free: int, rope: str,
+            sinks: bool = False) -> str | None:
     """Why a layer with these features has no ``kind`` sector (``None``: it has one)."""
     if kind == "key_bias":
         if not k_bias:
@@ -80,12 +93,16 @@ def _reason(kind: str, *, k_bias: bool, v_bias: bool, o_bias: bool, qk_norm: boo
         if not free:
             return (f"RoPE rotates every channel of its key heads ({rope}); a shift on a rotated channel depends on "
                     "the key's position and changes the function")
+        if sinks:
+            return SINKS_KEY
         return None
     if kind == "value_bias":
         if not v_bias:
             return "its value projection has no bias"
         if not o_bias:
             return "its output projection has no bias to absorb W_O·δ"
+        if sinks:
+            return SINKS_VALUE
         return None
     raise GaugeError(f"bias sector kind={kind!r} is not one of {BIAS_SECTORS}")
 
@@ -94,11 +111,11 @@ def missing_reason(site: "AttentionSite", kind: str) -> str | None:
     """Why ``site`` has no ``kind`` sector, or ``None`` when it has one."""
     return _reason(kind, k_bias=site.k.bias is not None, v_bias=site.v.bias is not None, o_bias=site.o.bias is not None,
                    qk_norm=site.qk_norm is not None, free=len(free_key_channels(site)),
-                   rope=f"{site.rope.kind}, rotary_dim={site.rope.rotary_dim}")
+                   rope=f"{site.rope.kind}, rotary_dim={site.rope.rotary_dim}", sinks=site.sinks is not None)
 
 
 def sector_dims(*, h_kv: int, d_k: int, d_v: int, rotary_dim: int, k_bias: bool, v_bias: bool, o_bias: bool,
-                qk_norm: bool) -> dict[str, int]:
+                qk_norm: bool, sinks: bool = False) -> dict[str, int]:
     """``{kind: dimension}`` of the bias sectors of a layer with these features (no weights needed):
     ``key_bias`` ``h_kv·(d_k − r)``, ``value_bias`` ``h_kv·d_v``, where the layer has them.
 
@@ -106,7 +123,7 @@ def sector_dims(*, h_kv: int, d_k: int, d_v: int, rotary_dim: int, k_bias: bool,
         >>> sector_dims(h_kv=12, d_k=64, d_v=64, rotary_dim=0, k_bias=True, v_bias=True, o_bias=True, qk_norm=False)
         {'key_bias': 768, 'value_bias': 768}
     """
-    flags = dict(k_bias=k_bias, v_bias=v_bias, o_bias=o_bias, qk_norm=qk_norm, free=d_k - rotary_dim, rope="")
+    flags = dict(k_bias=k_bias, v_bias=v_bias, o_bias=o_bias, qk_norm=qk_norm, free=d_k - rotary_dim, rope="", sinks=sinks)
     dims = {"key_bias": h_kv * (d_k - rotary_dim), "value_bias": h_kv * d_v}
     return {k: n for k, n in dims.items() if _reason(k, **flags) is None}
 

@@ -317,7 +317,7 @@ def _rebind(site: AttentionSite, module: nn.Module) -> AttentionSite:
         norm = dataclasses.replace(norm, q_gain=ref_on(norm.q_gain), k_gain=ref_on(norm.k_gain),
                                    q_bias=ref_on(norm.q_bias), k_bias=ref_on(norm.k_bias))
     return dataclasses.replace(site, module=module, q=proj_on(site.q), k=proj_on(site.k), v=proj_on(site.v),
-                               o=proj_on(site.o), qk_norm=norm)
+                               o=proj_on(site.o), qk_norm=norm, sinks=ref_on(site.sinks))
 
 
 def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
@@ -337,7 +337,7 @@ def claimed_sectors(site: AttentionSite) -> list[str]:
     if site.h > 1 and not site.fixed_head_order:
         out.append("perm")
     out += list(site.bias_kinds)
-    if site.qk_norm is None and site.q.row_mult is not None and site.k.row_mult is not None:
+    if site.qk_norm is None and not site.qk_orthogonal and site.q.row_mult is not None and site.k.row_mult is not None:
         out.append("lrm_qk")
     if site.v.row_mult is not None and site.o.col_mult is not None:
         out.append("lrm_vo")
@@ -366,6 +366,9 @@ def _valid(site: AttentionSite, sector: str, g: torch.Generator) -> None:
 @torch.no_grad()
 def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
     """Apply the sector's negative control; returns its name."""
+    if sector == "qk" and site.qk_orthogonal:  # the whole commutant, which the weight-free norm breaks
+        apply_invalid(site, "qk_under_norm", g)
+        return "qk_under_norm"
     if sector == "qk":
         kind = "gl_under_rope" if site.rope.active else "asymmetric_qk"
         apply_invalid(site, kind, g)
@@ -376,6 +379,9 @@ def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
     if sector == "vo":
         apply_invalid(site, "vo_mismatch", g)
         return "vo_mismatch"
+    if sector == "perm" and site.sinks is not None:  # every head moved but its sink logit
+        apply_invalid(site, "sinks_unmoved", g)
+        return "sinks_unmoved"
     if sector == "perm":  # query heads moved, their keys, values and output columns not
         perm = torch.arange(site.h).roll(1)
         for role, ref in site.q.refs():

@@ -60,7 +60,7 @@ def fingerprint(site: AttentionSite) -> tuple:
     n = site.qk_norm
     norm = None if n is None else (n.kind, n.scope, n.gain_offset, n.before_rope, float(n.eps))
     return (site.h, site.h_kv, site.d_k, site.d_v, site.d_model, site.rope.kind, site.rope.rotary_dim, norm,
-            site.float32_steps, site.fixed_head_order, site.kind, refs)
+            site.float32_steps, site.fixed_head_order, site.qk_orthogonal, site.kind, refs)
 
 
 def behaviour_key(site: AttentionSite) -> tuple:

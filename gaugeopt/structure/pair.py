@@ -229,12 +229,21 @@ class GaugePair:
         return self.a, self.b
 
     @staticmethod
-    def of(site: "AttentionSite", kind: str) -> "GaugePair":
-        """The pair ``kind`` of ``site`` (prefer :meth:`gaugeopt.AttentionSite.pair`)."""
+    def of(site: "AttentionSite", kind: str, *, orthogonal_ok: bool = False) -> "GaugePair":
+        """The pair ``kind`` of ``site`` (prefer :meth:`gaugeopt.AttentionSite.pair`).
+
+        ``orthogonal_ok``: return the ``"qk"`` pair of a site that keeps only the orthogonal part of
+        its Q/K gauge (``site.qk_orthogonal``) — for code that restricts itself to that part (the
+        projection's RoPE-plane rotations); everything else gets the refusal."""
         if kind == "qk" and site.qk_norm is not None:
             raise GaugeError(
                 f"{site.name} normalises queries and keys per head (QK-norm, {site.qk_norm.kind}): GL(d_k) on W_Q/W_K "
                 "is not a symmetry of it; its Q/K gauge acts on the norm's gains (the 'qk_gain' pair, docs/qk_norm.md)"
+            )
+        if kind == "qk" and site.qk_orthogonal and not orthogonal_ok:
+            raise GaugeError(
+                f"{site.name}: only the orthogonal part of GL(d_k) is a Q/K symmetry here ({site.qk_orthogonal}); the "
+                "'qk' pair rescales queries against keys, which the norm undoes, so it has no Q/K pair to balance"
             )
         if kind == "qk_gain":
             return GaugePair._gain_pair(site)

@@ -11,7 +11,9 @@ silent partial result would leave that layer's gauge unfixed.
 Built-in adapters are *verified*: the test suite checks every gauge action on their classes.
 :func:`find_attention` marks their records ``verified=True``; a record from any other adapter
 (:func:`register_adapter`, :class:`gaugeopt.AttentionSpec`) must pass :func:`gaugeopt.certify`
-on the model before a gauge operation changes parameters through it.
+on the model before a gauge operation changes parameters through it. An attention class absent
+from the table whose ``forward`` and everything it reaches are a renamed copy of a verified class's
+(:mod:`gaugeopt.structure.recognise`) is handled by that class's adapter, unverified.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Callable, Sequence
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.structure.recognise import recognised_adapter
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["Adapter", "effective_class", "find_attention", "register_adapter", "register_named_adapter", "registered_adapters"]
@@ -219,6 +222,8 @@ def find_attention(
         if any(name == c or name.startswith(c + ".") for c in claimed):
             continue
         adapter = _adapter_for(module, table)
+        if adapter is None and _looks_like_attention(module):
+            adapter = recognised_adapter(module, table, is_verified)  # a renamed copy of a verified class
         if adapter is not None:
             site = adapter(model, name, module)
             site.layer_index = len(sites)

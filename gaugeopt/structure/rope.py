@@ -12,7 +12,9 @@ the remaining ``d_k - r`` keep the full ``GL`` symmetry.
 A Q/K gauge factor ``A`` preserves the attention scores under RoPE iff it commutes with every
 rotation, i.e. on each plane it is ``a·I + b·J`` (a complex scalar), with ``J`` the plane's
 rotation generator. In the coordinates ``(x_p, x_q)`` of a plane ``(p, q)`` that is the block
-``[[a, -b], [b, a]]``.
+``[[a, -b], [b, a]]``. Its orthogonal part — what survives a weight-free norm of each head (Llama 4's
+L2 norm) — is a rotation ``cos φ·I + sin φ·J`` on each plane and ``O(d_k − r)`` on the rest
+(:func:`orthogonal_commutant_basis`, :func:`random_orthogonal_commutant`).
 
 Example:
     >>> from gaugeopt.structure.rope import RopeSpec
@@ -30,7 +32,8 @@ import torch
 
 from gaugeopt.errors import GaugeError
 
-__all__ = ["RopeSpec", "NO_ROPE", "commutant_basis", "plane_index", "random_commutant"]
+__all__ = ["RopeSpec", "NO_ROPE", "commutant_basis", "orthogonal_commutant_basis", "plane_index", "random_commutant",
+           "random_orthogonal_commutant"]
 
 _KINDS = ("none", "interleaved", "split_half")
 
@@ -86,6 +89,13 @@ class RopeSpec:
         r = self.rotary_dim
         return r + (d_k - r) ** 2
 
+    def orthogonal_gauge_dim(self, d_k: int) -> int:
+        """Dimension of the orthogonal part of that group: ``r/2`` plane rotations plus
+        ``(d_k − r)(d_k − r − 1)/2`` for ``SO`` of the non-rotary block."""
+        self.check_head_dim(d_k)
+        f = d_k - self.rotary_dim
+        return self.rotary_dim // 2 + f * (f - 1) // 2
+
 
 NO_ROPE = RopeSpec()
 
@@ -129,6 +139,39 @@ def commutant_basis(rope: RopeSpec, d_k: int, dtype=torch.float64) -> torch.Tens
     if not basis:
         return torch.zeros(0, d_k, d_k, dtype=dtype)
     return torch.stack(basis)
+
+
+def orthogonal_commutant_basis(rope: RopeSpec, d_k: int, dtype=torch.float64) -> torch.Tensor:
+    """An orthonormal basis ``(n, d_k, d_k)`` of the antisymmetric matrices commuting with the RoPE
+    rotations (the Lie algebra of the orthogonal commutant): ``J`` on each plane and ``E_ab − E_ba``
+    (``a < b``) on the non-rotary block. ``n = rope.orthogonal_gauge_dim(d_k)``."""
+    basis = []
+    for p, q in rope.planes(d_k):
+        jay = torch.zeros(d_k, d_k, dtype=dtype)
+        jay[q, p] = 2**-0.5
+        jay[p, q] = -(2**-0.5)
+        basis.append(jay)
+    free = list(range(rope.rotary_dim, d_k))
+    for i, a in enumerate(free):
+        for b in free[i + 1:]:
+            e = torch.zeros(d_k, d_k, dtype=dtype)
+            e[b, a] = 2**-0.5
+            e[a, b] = -(2**-0.5)
+            basis.append(e)
+    if not basis:
+        return torch.zeros(0, d_k, d_k, dtype=dtype)
+    return torch.stack(basis)
+
+
+def random_orthogonal_commutant(rope: RopeSpec, d_k: int, n: int, *, generator=None,
+                                dtype=torch.float64) -> torch.Tensor:
+    """``n`` random orthogonal matrices ``(n, d_k, d_k)`` in the RoPE commutant: ``exp(X)`` with ``X``
+    a random combination (``N(0, 1)`` coefficients) of :func:`orthogonal_commutant_basis`."""
+    basis = orthogonal_commutant_basis(rope, d_k, dtype)
+    if basis.shape[0] == 0:
+        return torch.eye(d_k, dtype=dtype).expand(n, d_k, d_k).clone()
+    coef = torch.randn(n, basis.shape[0], generator=generator, dtype=dtype)
+    return torch.linalg.matrix_exp(torch.einsum("nk,kab->nab", coef, basis))
 
 
 def random_commutant(

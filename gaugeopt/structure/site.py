@@ -219,6 +219,15 @@ class AttentionSite:
         float32_steps: what the module computes in float32 even in a float64 model (e.g. ``"q·kᵀ in
             float32"``), which bounds how exactly :func:`gaugeopt.certify` can observe a gauge action
             (``""``: nothing; the certificate then demands float64 exactness).
+        qk_orthogonal: why only the orthogonal part of the Q/K gauge survives (``""``: all of it): a
+            weight-free norm of each query and key head (Llama 4's L2 norm) keeps ``A`` only when it
+            preserves lengths, so the ``qk`` sector is ``O(d_k)`` ∩ the RoPE commutant — a rotation per
+            plane, ``SO`` of the non-rotary block — and the ``"qk"`` pair (scale balancing) and ``lrm_qk``
+            are not symmetries there (the projection's ``qk`` sector keeps only the plane rotations).
+        sinks: the per-head *sink* logits ``s_i`` (canonical ``(h,)``), or ``None``: a learned logit that
+            joins each query head's softmax as an extra column with no value (gpt-oss), so a row's weights
+            sum to ``1 − p_sink < 1``. The sinks leave ``qk``, ``vo`` and head permutations (which move
+            them with their heads) exact but remove the bias sectors (:mod:`gaugeopt.structure.bias`).
         fixed_head_order: why the heads may not be permuted (``""``: they may): a term in the scores
             that differs per head (ALiBi slopes, T5's relative position bias) ties each head to its
             position, so the permutation symmetry is gone while the per-group ``GL`` gauges remain.
@@ -246,6 +255,8 @@ class AttentionSite:
     qk_norm: QKNorm | None = None
     float32_steps: str = ""
     fixed_head_order: str = ""
+    sinks: TensorRef | None = None
+    qk_orthogonal: str = ""
     verified: bool = False
     # Set by find_attention: the model the record was found in (a weak reference). Set by adapters:
     # what their forward reads besides code and tensors (a kernel registry entry, a config value), as
@@ -285,6 +296,9 @@ class AttentionSite:
                     )
         if self.qk_norm is not None:
             self._check_qk_norm(self.qk_norm)
+        if self.sinks is not None and tuple(self.sinks.shape) != (self.h,):
+            raise GaugeError(f"{self.name}: sinks ({self.sinks.name}) has canonical shape {self.sinks.shape}, "
+                             f"expected ({self.h},): one sink logit per query head")
 
     def _check_qk_norm(self, n: QKNorm) -> None:
         """Gains and biases are ``(1, d_k)`` (shared by every head) or per head: ``(h, d_k)`` on the
@@ -352,12 +366,15 @@ class AttentionSite:
 
     def refs(self) -> Iterator[tuple[str, TensorRef]]:
         """All ``(\"q.weight\", ref)``-style entries of this site, then the QK-norm's gains and
-        biases (``\"q.gain\"``, ``\"k.gain\"``, ``\"q.norm_bias\"``, ``\"k.norm_bias\"``)."""
+        biases (``\"q.gain\"``, ``\"k.gain\"``, ``\"q.norm_bias\"``, ``\"k.norm_bias\"``) and the
+        attention sinks (``\"sinks\"``)."""
         for p, proj in self.projections():
             for role, ref in proj.refs():
                 yield f"{p}.{role}", ref
         if self.qk_norm is not None:
             yield from self.qk_norm.refs()
+        if self.sinks is not None:
+            yield "sinks", self.sinks
 
     def per_query(self, x: torch.Tensor) -> torch.Tensor:
         """Expand a per-KV-group tensor ``(h_kv, ...)`` to one entry per query head ``(h, ...)``."""
@@ -433,6 +450,8 @@ class AttentionSite:
         extra = f", rope={self.rope.kind}:{self.rope.rotary_dim}" if self.rope.active else ""
         lrm = ", lrm" if self.has_multipliers else ""
         norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm.kind}:{self.qk_norm.scope}"
+        norm += "" if self.sinks is None else ", sinks"
+        norm += ", qk=orthogonal" if self.qk_orthogonal else ""
         return (
             f"AttentionSite({self.name!r}, kind={self.kind}, h={self.h}, h_kv={self.h_kv}, "
             f"d_k={self.d_k}, d_v={self.d_v}, d_model={self.d_model}{extra}{lrm}{norm})"

@@ -23,6 +23,10 @@ field               meaning
 ``float32_steps``   what the module computes in float32 even in float64 (loosens the certificate's
                     Q/K sectors to ``1e-6``)
 ``fixed_head_order``  why heads may not be permuted (a per-head score term such as ALiBi)
+``qk_orthogonal``   why only the orthogonal part of the Q/K gauge survives (a weight-free norm of
+                    each head, Llama 4): ``""`` or a reason, or ``module -> str``
+``sinks``           attribute path of per-head attention-sink logits (a learned extra softmax column
+                    per head, gpt-oss): no bias sectors then, and permutations move the sinks
 ==================  ==========================================================================
 
 All paths start at the attention module. The module registered must contain all four
@@ -177,12 +181,12 @@ class QKNormSpec:
                     continue
                 if p.numel() == d_k:
                     shape = (1, d_k)
-                elif self.scope == "full" and p.numel() == heads * d_k:
+                elif p.numel() == heads * d_k:  # a gain vector per head (OLMo 2's full width, Cohere's per head)
                     shape = (heads, d_k)
                 else:
                     raise GaugeError(
                         f"{name}.{path}.{attr} has {p.numel()} entries; a {self.scope}-scope Q/K norm over "
-                        f"{heads} heads of width {d_k} has {d_k}" + (f" or {heads * d_k}" if self.scope == "full" else "")
+                        f"{heads} heads of width {d_k} has {d_k} (shared) or {heads * d_k} (one vector per head)"
                     )
                 refs[f"{side}_{role}"] = TensorRef(norm, attr, ".".join(x for x in (name, path, attr) if x), shape)
         if self.kind == "rms":
@@ -229,6 +233,8 @@ class AttentionSpec:
     kind: str = "spec"
     stock_forward: bool = True
     on_qk_norm: Callable[[AttentionSite], AttentionSite] | None = None
+    sinks: str | None = None
+    qk_orthogonal: str | Callable[[nn.Module], str] = ""
 
     def __post_init__(self) -> None:
         separate = (self.q, self.k, self.v)
@@ -309,15 +315,17 @@ class AttentionSpec:
             raise GaugeError(f"{name}: rope resolved to {rope!r}, expected a gaugeopt.RopeSpec")
         norm_spec = self.qk_norm(module) if callable(self.qk_norm) else self.qk_norm
         qk_norm = None if norm_spec is None else norm_spec.record(module, name, h, h_kv, d_k)
+        sinks = None if self.sinks is None else _sinks_ref(module, self.sinks, name, h)
         f32 = self.float32_steps(module) if callable(self.float32_steps) else self.float32_steps
         fixed = self.fixed_head_order(module) if callable(self.fixed_head_order) else self.fixed_head_order
+        orth = self.qk_orthogonal(module) if callable(self.qk_orthogonal) else self.qk_orthogonal
         features = (("fused_qkv", f"fused_{self.fused}") if self.qkv is not None else ()) + \
             (("gqa",) if h_kv != h else ()) + ((f"rope_{rope.kind}",) if rope.active else ()) + \
-            (("qk_norm",) if qk_norm is not None else ())
+            (("qk_norm",) if qk_norm is not None else ()) + (("sinks",) if sinks is not None else ())
         site = AttentionSite(
             name=name, module=module, h=h, h_kv=h_kv, d_k=d_k, d_v=d_v, d_model=d_model, q=q, k=k, v=v, o=o,
             rope=rope, kind=self.kind, features=features, qk_norm=qk_norm, float32_steps=f32 or "",
-            fixed_head_order=fixed or "",
+            fixed_head_order=fixed or "", sinks=sinks, qk_orthogonal=orth or "",
         )
         if qk_norm is not None:
             site = self.on_qk_norm(site) if self.on_qk_norm is not None else site
@@ -339,6 +347,17 @@ class AttentionSpec:
             register_named_adapter(cls, self.adapter())
         else:
             register_adapter(cls, self.adapter())
+
+
+def _sinks_ref(module: nn.Module, path: str, name: str, h: int) -> TensorRef:
+    """The per-head sink logits at attribute path ``path`` (one entry per query head)."""
+    owner_path, _, attr = path.rpartition(".")
+    owner = resolve(module, owner_path, "sinks", name) if owner_path else module
+    p = getattr(owner, attr, None)
+    if not isinstance(p, nn.Parameter) or p.numel() != h:
+        got = "missing" if p is None else f"{type(p).__name__} with {getattr(p, 'numel', lambda: '?')()} entries"
+        raise GaugeError(f"{name}: sinks={path!r} must name a parameter with one logit per query head ({h}); got {got}")
+    return TensorRef(owner, attr, ".".join(x for x in (name, path) if x), (h,))
 
 
 def _divide(total: int, parts: int, what: str, by: str, name: str) -> int:

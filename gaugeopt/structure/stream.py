@@ -10,9 +10,11 @@ the whole stream. They need the model's *stream structure*, which this module re
 role                tensors
 ==================  =====================================================================
 writers             token and position embeddings (rows), each block's attention output
-                    ``W_O, b_O`` and MLP output ``W_down, b_down`` (columns ``(d, ·)``)
+                    ``W_O, b_O`` and MLP output ``W_down, b_down`` (columns ``(d, ·)``);
+                    in a mixture of experts every expert's ``W_down, b_down``
 norms               per block ``norm1`` (read by Q, K, V), ``norm2`` (read by the MLP's
-                    up and gate projections), the final norm (read by the head)
+                    up and gate projections; by the router and every expert's input
+                    projection in a mixture of experts), the final norm (read by the head)
 readers             the linear layers right after a norm: ``W (out, d)`` and their biases
 head                ``(V, d)``: the token embedding itself when tied
 ==================  =====================================================================
@@ -23,7 +25,8 @@ Every linear is read and written through :class:`StreamLinear`, in effective ter
 
 :func:`find_stream` builds the record for the models whose forward it knows: gaugeopt's
 :class:`~gaugeopt.models.gpt.GPT`, Hugging Face ``GPT2LMHeadModel`` and the Llama family
-(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``). Anything else is refused
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) and gpt-oss (``GptOssForCausalLM``:
+a top-k router and stacked experts, activation ``"moe_clamped_swiglu"``). Anything else is refused
 with a :class:`~gaugeopt.errors.GaugeError`: a stream sector derived for one block layout (pre-norm,
 a norm read only by linear layers) is not a symmetry of another. :class:`StreamShape` is the part a
 count needs, from a model (:meth:`ResidualStream.shape`) or from a config (without weights,
@@ -55,7 +58,8 @@ __all__ = ["NORMS", "ACTIVATIONS", "StreamLinear", "StreamNorm", "StreamBlock", 
            "find_stream"]
 
 NORMS = ("layernorm", "rmsnorm")
-ACTIVATIONS = ("gelu", "swiglu", "relu")
+# "moe_clamped_swiglu": gpt-oss's experts, (clamp(up) + 1)·g·σ(αg) with g = clamp(gate): no rescale survives
+ACTIVATIONS = ("gelu", "swiglu", "relu", "moe_clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,36 @@ class StreamLinear:
 
 
 @dataclass(frozen=True)
+class ExpertLinear:
+    """One expert's slice of a stacked expert parameter (``(E, in, out)`` storage, ``x @ W[e] + b[e]``),
+    read and written in effective ``(out, in)`` terms like :class:`StreamLinear`."""
+
+    name: str
+    owner: nn.Module
+    weight: str
+    bias: str | None
+    index: int
+
+    @property
+    def has_bias(self) -> bool:
+        return self.bias is not None
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        w = getattr(self.owner, self.weight)[self.index].detach().T.clone()
+        b = None if self.bias is None else getattr(self.owner, self.bias)[self.index].detach().clone()
+        return w, b
+
+    @torch.no_grad()
+    def write(self, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+        if weight is not None:
+            getattr(self.owner, self.weight)[self.index].copy_(weight.T)
+        if bias is not None:
+            if self.bias is None:
+                raise GaugeError(f"{self.name}: has no bias to write")
+            getattr(self.owner, self.bias)[self.index].copy_(bias)
+
+
+@dataclass(frozen=True)
 class StreamNorm:
     """A norm on the residual stream: ``kind`` (``"layernorm"``/``"rmsnorm"``), its gain ``γ`` and
     LayerNorm bias ``β`` (``None`` without), ``eps``."""
@@ -129,14 +163,27 @@ class StreamNorm:
 @dataclass(frozen=True)
 class StreamBlock:
     """One pre-norm block: ``x += attn(norm1(x))``, ``x += mlp(norm2(x))`` with
-    ``mlp(y) = W_down·act(W_up y [, W_gate y])``."""
+    ``mlp(y) = W_down·act(W_up y [, W_gate y])`` — or, in a mixture of experts (``up``, ``down``
+    ``None``), ``mlp(y) = Σ_{e ∈ top-k(W_r y + b_r)} softmax(…)_e · down_e(act(up_e y))``: the
+    ``router`` and the experts' input projections read ``norm2``, their output projections write."""
 
     attention: AttentionSite
     norm1: StreamNorm
     norm2: StreamNorm
-    up: StreamLinear
+    up: StreamLinear | None
     gate: StreamLinear | None
-    down: StreamLinear
+    down: StreamLinear | None
+    router: StreamLinear | None = None
+    experts_in: tuple[ExpertLinear, ...] = ()
+    experts_out: tuple[ExpertLinear, ...] = ()
+
+    def mlp_readers(self) -> list:
+        if self.up is None:
+            return [self.router, *self.experts_in]
+        return [self.up] + ([self.gate] if self.gate is not None else [])
+
+    def mlp_writers(self) -> list:
+        return [self.down] if self.down is not None else list(self.experts_out)
 
     def attention_readers(self) -> list[StreamLinear]:
         s = self.attention
@@ -167,6 +214,8 @@ class StreamShape:
     mlp_in_bias: bool  # W_up (and W_gate) have biases
     mlp_out_bias: bool
     head_bias: bool = False
+    router_shift: int = 0  # per layer: the directions a top-k router's softmax ignores (d, + 1 with a bias)
+    expert_units: int = 0  # per layer: hidden units over all experts (gpt-oss's affine up rescale, one each)
 
 
 @dataclass
@@ -206,22 +255,25 @@ class ResidualStream:
             if norm is b.norm1:
                 return b.attention_readers()
             if norm is b.norm2:
-                return [b.up] + ([b.gate] if b.gate is not None else [])
+                return b.mlp_readers()
         if norm is self.final_norm:
             return [] if self.head is None else [self.head]
         raise GaugeError(f"{norm.name} is not a norm of this stream")
 
     def writers(self) -> list[StreamLinear]:
         """The linear layers that add to the stream: each block's attention output and MLP output."""
-        return [w for b in self.blocks for w in (b.attention_writer(), b.down)]
+        return [w for b in self.blocks for w in (b.attention_writer(), *b.mlp_writers())]
 
     def shape(self) -> StreamShape:
         b0 = self.blocks[0]
+        router = 0 if b0.router is None else self.d_model + b0.router.has_bias
+        units = sum(e.read()[0].shape[0] // 2 for e in b0.experts_in) if self.activation == "moe_clamped_swiglu" else 0
         return StreamShape(
             len(self.blocks), self.d_model, self.d_ff, self.vocab,
             0 if self.position_embedding is None else self.position_embedding.shape[0],
-            self.norm, self.activation, self.tied, b0.norm1.bias is not None, b0.up.has_bias, b0.down.has_bias,
-            self.head is not None and self.head.has_bias,
+            self.norm, self.activation, self.tied, b0.norm1.bias is not None,
+            all(r.has_bias for r in b0.mlp_readers()), all(w.has_bias for w in b0.mlp_writers()),
+            self.head is not None and self.head.has_bias, router, units,
         )
 
 
@@ -249,7 +301,7 @@ def _norm(root: nn.Module, name: str) -> StreamNorm:
                      "(nn.LayerNorm, gaugeopt's RMSNorm, LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)")
 
 
-_HF_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+_HF_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "GptOssRMSNorm")
 _HF_LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -334,8 +386,46 @@ def find_stream(model: nn.Module) -> ResidualStream:
                               _norm(model, "model.norm"), _head(model, "lm_head", tok), cfg.hidden_size,
                               cfg.intermediate_size, cfg.vocab_size,
                               float32_steps=f"RMSNorm in float32 ({norm_cls.__name__} casts to float32 and back)" if stock else "")
+    if cls == "GptOssForCausalLM":
+        return _gpt_oss_stream(model, sites)
     raise GaugeError(
         f"find_stream: no residual-stream description for {type(model).__qualname__}; the sectors beyond attention "
         "(norm gains, LayerNorm families, residual rotations, MLP rescales) are derived for gaugeopt's GPT, Hugging Face "
-        "GPT2LMHeadModel and LlamaForCausalLM/MistralForCausalLM/Qwen2ForCausalLM"
+        "GPT2LMHeadModel, LlamaForCausalLM/MistralForCausalLM/Qwen2ForCausalLM and GptOssForCausalLM"
     )
+
+
+def _stock_rmsnorm_note(model: nn.Module) -> str:
+    norm_cls = type(model.model.norm)
+    stock = getattr(norm_cls.forward, "__module__", "") == norm_cls.__module__  # not replaced by a float64 one
+    return f"RMSNorm in float32 ({norm_cls.__name__} casts to float32 and back)" if stock else ""
+
+
+def _gpt_oss_stream(model: nn.Module, sites: list[AttentionSite]) -> ResidualStream:
+    """gpt-oss: RMSNorm, a top-k router (``weight (E, d)``, ``bias (E,)``) and stacked experts
+    (``gate_up_proj (E, d, 2f)`` read by ``norm2``, ``down_proj (E, f, d)`` writing), untied head."""
+    cfg = model.config
+    impl = getattr(cfg, "_experts_implementation", None)
+    if impl not in (None, "eager"):
+        raise GaugeError(f"find_stream: gpt-oss with config._experts_implementation={impl!r}; the stream record reads the "
+                         "stacked expert parameters the 'eager' implementation uses (set it to 'eager')")
+    blocks = list(model.model.layers)
+    atts = _check_sites(sites, blocks, "self_attn", "GptOssForCausalLM")
+    sb = []
+    for i, a in enumerate(atts):
+        p = f"model.layers.{i}.mlp"
+        router_mod, experts = model.get_submodule(f"{p}.router"), model.get_submodule(f"{p}.experts")
+        E, d = router_mod.weight.shape
+        router = StreamLinear(f"{p}.router", Projection(
+            TensorRef(router_mod, "weight", f"{p}.router.weight", (1, E, d)),
+            None if router_mod.bias is None else TensorRef(router_mod, "bias", f"{p}.router.bias", (1, E))))
+        ins = tuple(ExpertLinear(f"{p}.experts.gate_up_proj[{e}]", experts, "gate_up_proj", "gate_up_proj_bias", e)
+                    for e in range(experts.num_experts))
+        outs = tuple(ExpertLinear(f"{p}.experts.down_proj[{e}]", experts, "down_proj", "down_proj_bias", e)
+                     for e in range(experts.num_experts))
+        sb.append(StreamBlock(a, _norm(model, f"model.layers.{i}.input_layernorm"),
+                              _norm(model, f"model.layers.{i}.post_attention_layernorm"), None, None, None, router, ins, outs))
+    tok = _embedding(model, "model.embed_tokens")
+    return ResidualStream("hf_gpt_oss", model, "rmsnorm", "moe_clamped_swiglu", tok, None, sb, _norm(model, "model.norm"),
+                          _head(model, "lm_head", tok), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
+                          float32_steps=_stock_rmsnorm_note(model))

@@ -25,7 +25,21 @@ sector                finite action                                             
 ``residual_rotation`` writers ``X ← RX``; readers ``W ← W D Rᵀ D⁻¹``,                 ``x̂(Rx) = R x̂(x)`` for ``R ∈ SO(d)``
                       ``β ← D R D⁻¹ β`` (``D = diag γ`` of their norm)                (RMSNorm) fixing ``1`` (LayerNorm);
                                                                                   only with an *untied* head
+``router_shift``      a top-k router ``W_r += 1⊗w``, ``b_r += c·1``                   every expert's logit moves by
+                                                                                  ``w·y + c``: the top-k choice and
+                                                                                  the softmax over it are unchanged
+``expert_up_scale``   gpt-oss, per expert unit ``u``: ``W_up[u] ← eᵗ W_up[u]``,        ``(up + 1)·glu`` scales by ``eᵗ``;
+                      ``b_up[u] ← eᵗ(b_up[u] + 1) − 1``, ``W_down[:, u] ← e⁻ᵗ(…)``    exact while ``|up| < limit``
+                                                                                  (the clamp inactive)
 ====================  ==========================================================  =====================================
+
+In a mixture of experts (gpt-oss) the readers of ``norm2`` are the router and every expert's input
+projection, its writers every expert's output projection. gpt-oss's experts compute
+``(clamp(up, ±L) + 1) · g·σ(αg)`` with ``g = min(gate, L)``: the gate admits no rescale, and the up side
+only the affine one above (``up + 1`` scaled), which is exact wherever the clamp is inactive —
+on generic small weights everywhere, so the Jacobian's null space contains it — and broken on
+tokens whose ``|up|`` reaches ``L`` (``swiglu_limit``, 7 in gpt-oss): a symmetry of the region a
+model computes in, not of every input.
 
 A tied head is the token embedding: it is rotated as a writer but would have to become
 ``wte D_f Rᵀ D_f⁻¹`` as the final norm's reader, so with a non-uniform ``γ_f`` the rotations are
@@ -69,7 +83,7 @@ from gaugeopt.structure.symmetries import Family
 __all__ = ["STREAM_SECTORS", "stream_families", "rotation_basis"]
 
 STREAM_SECTORS = ("norm_gain", "norm_bias", "norm_meanfree", "residual_ones", "embedding_shift", "mlp_scale",
-                  "residual_rotation")
+                  "residual_rotation", "router_shift", "expert_up_scale")
 
 
 def _get(ref) -> torch.Tensor:
@@ -202,6 +216,37 @@ def _mlp_scale(block) -> Family:
     return Family("mlp_scale", up.name, n, apply, True, "act(up)·… is positively homogeneous in up")
 
 
+def _router_shift(router) -> Family:
+    def apply(t: torch.Tensor) -> None:
+        w, b = router.read()
+        d = w.shape[1]
+        router.write(w + t[None, :d], None if b is None else b + t[d])
+
+    d = router.proj.weight.shape[-1]
+    return Family("router_shift", router.name, d + router.has_bias, apply, True,
+                  "a shift common to every expert's logit leaves top-k and its softmax unchanged")
+
+
+def _expert_up_scale(block) -> Family:
+    """gpt-oss's experts: rows ``1::2`` of ``gate_up`` are the up projection (module docstring)."""
+    ins, outs = block.experts_in, block.experts_out
+    f = ins[0].read()[0].shape[0] // 2
+
+    def apply(t: torch.Tensor) -> None:
+        c = torch.exp(t).reshape(len(ins), f)
+        for e, (a, b) in enumerate(zip(ins, outs)):
+            w, bias = a.read()
+            w[1::2] = w[1::2] * c[e][:, None].to(w)
+            if bias is not None:
+                bias[1::2] = c[e].to(bias) * (bias[1::2] + 1) - 1
+            a.write(w, bias)
+            wd, _ = b.read()
+            b.write(wd / c[e][None, :].to(wd))
+
+    return Family("expert_up_scale", ins[0].name.rsplit("[", 1)[0], len(ins) * f, apply, True,
+                  "(up + 1)·glu scales with up + 1 (exact while the clamp on up is inactive)")
+
+
 def _rotation(stream: ResidualStream) -> Family:
     basis = rotation_basis(stream.d_model, stream.norm == "layernorm")
     exact = not stream.tied
@@ -251,5 +296,8 @@ def stream_families(stream: ResidualStream) -> list[Family]:
         out.append(_embedding_shift(stream))
     if stream.activation in ("swiglu", "relu"):
         out += [_mlp_scale(b) for b in stream.blocks]
+    out += [_router_shift(b.router) for b in stream.blocks if b.router is not None]
+    if stream.activation == "moe_clamped_swiglu":
+        out += [_expert_up_scale(b) for b in stream.blocks]
     out.append(_rotation(stream))
     return sorted(out, key=lambda f: not f.exact)

@@ -12,7 +12,8 @@ model instance. :func:`symmetry_families` lists them all:
 * the stream sectors (:mod:`gaugeopt.structure.stream_sectors`) when :func:`gaugeopt.structure.stream.find_stream`
   knows the model;
 * for the record, families that are *not* symmetries but look like one: ``key_bias_rope`` (the
-  key-bias shift on RoPE-rotated channels) and the stream's inexact ones (residual rotations under
+  key-bias shift on RoPE-rotated channels), ``value_bias_sink`` (the value-bias trade under
+  attention sinks) and the stream's inexact ones (residual rotations under
   a tied head, ...), with ``exact=False``.
 
 Head permutations are discrete and have no family. The actions are the library's own
@@ -53,7 +54,7 @@ from gaugeopt.structure.actions import (
 )
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.registry import find_attention
-from gaugeopt.structure.rope import commutant_basis, plane_index
+from gaugeopt.structure.rope import commutant_basis, orthogonal_commutant_basis, plane_index
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["ATTENTION_SECTORS", "Family", "attention_families", "symmetry_families"]
@@ -95,7 +96,7 @@ def attention_families(site: AttentionSite) -> list[Family]:
     out: list[Family] = []
     g, dk, dv, u = site.h_kv, site.d_k, site.d_v, site.name
     if site.qk_norm is None:
-        basis = commutant_basis(site.rope, dk)
+        basis = orthogonal_commutant_basis(site.rope, dk) if site.qk_orthogonal else commutant_basis(site.rope, dk)
         n = basis.shape[0]
 
         def qk(t, basis=basis, n=n):
@@ -124,7 +125,7 @@ def attention_families(site: AttentionSite) -> list[Family]:
         act_vo(site, torch.linalg.matrix_exp(t.reshape(g, dv, dv)))
 
     out.append(Family("vo", u, g * dv * dv, vo, True, "W_O v unchanged by Cᵀ, C⁻ᵀ"))
-    if site.qk_norm is None and site.has_multipliers:
+    if site.qk_norm is None and not site.qk_orthogonal and site.has_multipliers:
         pid, n = _slots(site.rope, dk)
 
         def lrm_qk(t, pid=pid, n=n):
@@ -145,6 +146,16 @@ def attention_families(site: AttentionSite) -> list[Family]:
 
         why = "q_i·δ is the same for every key" if kind == "key_bias" else "attention rows sum to one"
         out.append(Family(kind, u, sec.dim, bias, True, why))
+    if site.sinks is not None and site.v.bias is not None and site.o.bias is not None:
+        def value_bias_sink(t):  # the trade that is exact without sinks
+            _, bv = site.effective("v")
+            wo, bo = site.effective("o")
+            delta = t.reshape(g, dv).to(bv)
+            site.set_effective_bias("v", bv + delta)
+            site.set_effective_bias("o", bo - torch.einsum("dhv,hv->d", wo, site.per_query(delta).to(wo)).to(bo))
+
+        out.append(Family("value_bias_sink", u, g * dv, value_bias_sink, False,
+                          "attention sinks: a row's weights sum to 1 − p_sink, so b_O cannot take W_O δ back"))
     rotated = sorted(c for plane in site.rope.planes(dk) for c in plane)
     if site.k.bias is not None and site.qk_norm is None and rotated:
         def key_bias_rope(t):

@@ -295,7 +295,13 @@ def _qk_factor(site, t, section, residual, rtol, margins) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- QK-norm: the gain section
 def refuse_layer_norm(site: AttentionSite, what: str) -> None:
-    """Refuse a LayerNorm QK-norm site (its invisible directions have no section; module docstring)."""
+    """Refuse a site whose Q/K gauge has no section here: a LayerNorm QK-norm (its invisible directions;
+    module docstring) or a weight-free norm per head (only rotations of W_Q/W_K, ``site.qk_orthogonal``)."""
+    if site.qk_orthogonal:
+        raise GaugeError(
+            f"{what}: {site.name} keeps only the orthogonal part of the Q/K gauge ({site.qk_orthogonal}); gaugeopt "
+            "has no canonical section or invariants for it yet, so no unique form exists here"
+        )
     if site.qk_norm is not None and site.qk_norm.kind != "rms":
         raise GaugeError(
             f"{what}: {site.name} normalises queries and keys with a LayerNorm; besides the gain gauge it leaves "

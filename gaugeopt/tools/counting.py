@@ -24,7 +24,10 @@ a model has (the nullity of its logits' Jacobian, measured by :func:`gaugeopt.fl
     ``d`` per norm with a bias, ``norm_meanfree`` the rows of every reader of the norm (when the norm
     has no bias or the reader has one: ``(h + h_kv)·d_k + h_kv·d_v`` after ``norm1``, ``d_ff`` per MLP
     input after ``norm2``) and ``residual_ones`` ``h·d_v + [b_O] + d_ff + [b_down]``; ``mlp_scale``
-    ``d_ff`` for SwiGLU and ReLU. Once: with LayerNorm ``residual_ones`` ``T`` learned positions
+    ``d_ff`` for SwiGLU and ReLU; gpt-oss: ``router_shift`` ``d + 1`` (its top-k router) and
+    ``expert_up_scale`` one per expert unit ``E·d_ff`` (instead of ``mlp_scale``; exact while its
+    clamp is inactive, :mod:`gaugeopt.structure.stream_sectors`), and its attention sinks remove both
+    bias sectors. Once: with LayerNorm ``residual_ones`` ``T`` learned positions
     (+ ``V`` with an untied head); ``embedding_shift`` ``d − [LayerNorm]`` (untied, learned
     positions) or ``1`` (tied, LayerNorm without a final bias); with an untied head the final norm's
     ``norm_gain`` ``d``, ``norm_bias`` ``d``, ``norm_meanfree`` ``V`` (no final bias or a head bias),
@@ -45,7 +48,8 @@ slots when the norm acts before RoPE (``"wang"``), ``d_k`` when RoPE is ignored 
 or acts first — per layer for a gain vector shared by all heads, per KV group for per-head gains
 (``"qk_gain"``). A LayerNorm adds directions the function never sees (``"qk_layernorm"``): the mean
 direction of every query and key head's rows, ``(h + h_kv)·(d_model [+ 1 with biases])``, and without
-RoPE the key bias (``d_k``), one query-bias shift and one centred rotation. With ``eps = 0`` every
+RoPE the key bias (``d_k``), one query-bias shift and one centred rotation; under partial RoPE the
+key bias on the ``d_k − r`` channels RoPE leaves alone (Phi). With ``eps = 0`` every
 head (per-head norm) or each side (full-width norm) gains a positive scale (``"qk_head_scale"``).
 Qwen3-0.6B: ``"wang"`` ``28·(64 + 8·128²) = 3,671,808``; ``"van_nierop"`` ``28·(128 + 8·128²) +
 1023·1022/2 = 4,196,353``.
@@ -94,7 +98,7 @@ class NormShape:
 class LayerShape:
     """The head structure of one attention layer, all a count needs (``qk_bias``: the query projection
     has a bias; ``k_bias``, ``v_bias``, ``o_bias``: the others; ``qk_norm``: the layer normalises
-    queries and keys)."""
+    queries and keys; ``sinks``: attention sinks, which remove the bias sectors)."""
 
     h: int
     h_kv: int
@@ -107,11 +111,19 @@ class LayerShape:
     k_bias: bool = False
     v_bias: bool = False
     o_bias: bool = False
+    sinks: bool = False
+    qk_orthogonal: bool = False  # a weight-free norm per head: only the orthogonal part of the Q/K gauge
+
+    def qk_dim(self, ignore_rope: bool = False) -> int:
+        """The Q/K gauge of one KV group (``ignore_rope``: as paper 003 counts it)."""
+        rope = NO_ROPE if ignore_rope else self.rope
+        return rope.orthogonal_gauge_dim(self.d_k) if self.qk_orthogonal else rope.qk_gauge_dim(self.d_k)
 
     def bias_sectors(self) -> dict[str, int]:
         """Dimensions of the layer's bias sectors (:func:`gaugeopt.structure.bias.sector_dims`)."""
         return sector_dims(h_kv=self.h_kv, d_k=self.d_k, d_v=self.d_v, rotary_dim=self.rope.rotary_dim,
-                           k_bias=self.k_bias, v_bias=self.v_bias, o_bias=self.o_bias, qk_norm=self.qk_norm is not None)
+                           k_bias=self.k_bias, v_bias=self.v_bias, o_bias=self.o_bias, qk_norm=self.qk_norm is not None,
+                           sinks=self.sinks)
 
 
 def _get(cfg: Any, *names: str, default=None):
@@ -138,7 +150,7 @@ def _site_shape(s) -> LayerShape:
     n = s.qk_norm
     norm = None if n is None else NormShape(n.kind, n.per_head, n.scope, n.before_rope, n.eps, n.q_bias is not None)
     return LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope, norm, s.q.bias is not None, s.k.bias is not None,
-                      s.v.bias is not None, s.o.bias is not None)
+                      s.v.bias is not None, s.o.bias is not None, s.sinks is not None, bool(s.qk_orthogonal))
 
 
 def layer_shapes(model_or_config: Any) -> list[LayerShape]:
@@ -183,9 +195,17 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
             norm = NormShape("rms", per_head, scope, True, float(_get(cfg, "rms_norm_eps", default=1e-6)))
         o_bias = bool(_get(cfg, "attention_bias", default=False))  # Qwen2 biases Q, K, V but not O
         return [LayerShape(h, h_kv, d_k, d_k, d, _rope_from_hf(cfg, d_k), norm, bias, bias, bias, o_bias)] * L
+    if model_type == "gpt_oss":  # attention sinks on every layer, biases on all four projections
+        h = _get(cfg, "num_attention_heads")
+        d = _get(cfg, "hidden_size")
+        d_k = _get(cfg, "head_dim", default=d // h)
+        b = bool(_get(cfg, "attention_bias", default=True))
+        shape = LayerShape(h, _get(cfg, "num_key_value_heads", default=h), d_k, d_k, d, RopeSpec("split_half", d_k),
+                           None, b, b, b, b, sinks=True)
+        return [shape] * _get(cfg, "num_hidden_layers")
     raise GaugeError(
         f"gauge_dimension: cannot read a config of model_type={model_type!r} ({type(cfg).__qualname__}); "
-        "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2/qwen3/olmo2/gemma3 config "
+        "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2/qwen3/olmo2/gemma3/gpt_oss config "
         "(object or config.json dict)"
     )
 
@@ -204,6 +224,8 @@ def _qk_norm_counts(s: LayerShape, ignore_rope: bool) -> dict[str, int]:
         extra = (s.h + s.h_kv) * (s.d_model + int(s.qk_bias))  # the mean direction of every head's rows
         if not (s.rope.active and not ignore_rope):
             extra += 1 + (s.d_k + 1 if n.bias else 0)  # centred rotation; key bias, query-bias shift
+        elif n.bias:  # partial RoPE (Phi): the key bias on the channels RoPE leaves alone is still invisible
+            extra += s.d_k - s.rope.rotary_dim
         counts["qk_layernorm"] = extra
     if n.eps == 0:
         counts["qk_head_scale"] = (s.h + s.h_kv) if n.scope == "head" else 2
@@ -258,9 +280,17 @@ def stream_shape(model_or_config: Any) -> StreamShape:
         return StreamShape(_get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"),
                            _get(cfg, "vocab_size"), 0, "rmsnorm", "swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)),
                            False, mlp_bias, mlp_bias)
+    if model_type == "gpt_oss":
+        d, ff, E = _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"), _get(cfg, "num_local_experts")
+        if None in (d, ff, E, _get(cfg, "vocab_size")):
+            raise GaugeError("gauge_dimension(convention='complete'): a gpt_oss config needs hidden_size, intermediate_size, "
+                             "num_local_experts and vocab_size")
+        return StreamShape(_get(cfg, "num_hidden_layers"), d, ff, _get(cfg, "vocab_size"), 0, "rmsnorm",
+                           "moe_clamped_swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)), False, True, True,
+                           router_shift=d + 1, expert_units=E * ff)
     raise GaugeError(
         f"gauge_dimension(convention='complete'): no residual-stream description for model_type={model_type!r} "
-        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and gpt2/llama/mistral/qwen2 "
+        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and gpt2/llama/mistral/qwen2/gpt_oss "
         "(models or configs); 'wang' counts the attention gauges of any model"
     )
 
@@ -277,7 +307,7 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
     mlp_inputs = 2 if st.activation == "swiglu" else 1
     for s in shapes:
         if s.qk_norm is None:
-            add("qk", s.h_kv * s.rope.qk_gauge_dim(s.d_k))
+            add("qk", s.h_kv * s.qk_dim())
         else:
             for key, n in _qk_norm_counts(s, ignore_rope=False).items():
                 add(key, n)
@@ -293,6 +323,8 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
             add("residual_ones", s.h * s.d_v + s.o_bias + st.d_ff + st.mlp_out_bias)
         if st.activation in ("swiglu", "relu"):
             add("mlp_scale", st.d_ff)
+        add("router_shift", st.router_shift)
+        add("expert_up_scale", st.expert_units)
     if ln:
         add("residual_ones", st.positions + (0 if st.tied else st.vocab))
     if st.positions:
@@ -340,10 +372,7 @@ def gauge_dimension(
     plain = [s for s in shapes if s.qk_norm is None]
     counts = {}
     if plain or len(plain) == len(shapes):
-        if convention == "wang":
-            counts["qk"] = sum(s.h_kv * s.rope.qk_gauge_dim(s.d_k) for s in plain)
-        else:
-            counts["qk"] = sum(s.h_kv * s.d_k**2 for s in plain)
+        counts["qk"] = sum(s.h_kv * s.qk_dim(ignore_rope=convention != "wang") for s in plain)
     for s in shapes:
         if s.qk_norm is not None:
             for key, n in _qk_norm_counts(s, ignore_rope=convention == "van_nierop").items():

@@ -14,7 +14,9 @@ gauge group ``G`` (docs/gauge_group.md) leaves invariant
 * the QK circuits ``X_Qᵀ E X_K`` for ``E`` in the algebra the RoPE rotations generate:
   ``E = I`` without RoPE; per rotation plane ``m`` the plane projector ``I_m`` and its
   generator ``J_m``, plus the projector ``I_free`` on the non-rotary coordinates;
-* the OV circuit ``W_O[:, i] X_V``.
+* the OV circuit ``W_O[:, i] X_V``;
+* with attention sinks (gpt-oss), the head's sink logit ``s_i`` (it moves with its head and with
+  nothing else).
 
 On a QK-norm site (RMSNorm; docs/qk_norm.md) the group leaves ``W_Q``, ``W_K`` and their biases where
 they are and moves only the gains, ``g_q ⊙ d``, ``g_k ⊘ d`` with ``d`` per slot (RoPE plane or
@@ -134,6 +136,8 @@ def _aug(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
 def circuit_factors(site: AttentionSite, t: dict | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Factor pairs ``(X (h, B, s, D₁), Y (h, B, s, D₂))`` whose products ``X_bᵀY_b`` are the
     complete per-query-head invariants (module docstring); the last pair is the OV circuit."""
+    if site.qk_orthogonal:
+        refuse_layer_norm(site, "equivalence")
     t = effective_tensors(site, fold_biases=True) if t is None else t
     r, dk = site.rope.rotary_dim, site.d_k
     expand = site.per_query  # a KV head's rows for each of its query heads
@@ -151,6 +155,9 @@ def circuit_factors(site: AttentionSite, t: dict | None = None) -> list[tuple[to
         kp = torch.stack([xk[:, p], xk[:, q]], 2)
         kj = torch.stack([-xk[:, q], xk[:, p]], 2)  # J = [[0, −1], [1, 0]] on (p, q)
         pairs += [(qp, kp), (qp, kj)]
+    if site.sinks is not None:  # a per-head scalar invariant: s_i = [s_i]ᵀ[1]
+        s = site.sinks.get().detach().double().reshape(site.h, 1, 1, 1)
+        pairs.append((s, torch.ones_like(s)))
     xv = expand(_aug(t["wv"], t["bv"]))  # (h, d_v, D)
     pairs.append((t["wo"].mT[:, None], xv[:, None]))  # W_O[:, i] X_V = (W_O[:, i]ᵀ)ᵀ X_V
     return pairs

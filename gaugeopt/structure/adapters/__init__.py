@@ -7,6 +7,7 @@ from __future__ import annotations
 from gaugeopt.structure.registry import register_builtin, register_builtin_recogniser, register_wrapper
 from gaugeopt.structure.adapters.gpt import adapt_gpt
 from gaugeopt.structure.adapters.hf import HF_ADAPTERS, HF_WRAPPERS, adapt_hf_gpt2
+from gaugeopt.structure.adapters.hf_recent import HF_RECENT_ADAPTERS
 from gaugeopt.structure.adapters.litgpt import LITGPT_ATTENTION, LITGPT_SPEC
 from gaugeopt.structure.adapters.nanogpt import adapt_nanogpt, looks_like_nanogpt
 from gaugeopt.structure.adapters.timm import TIMM_ATTENTION, TIMM_SPEC
@@ -29,7 +30,7 @@ def _register() -> None:
     register_builtin(TIMM_ATTENTION, TIMM_SPEC.adapter())
     register_builtin(TORCHTITAN_ATTENTION, adapt_torchtitan)
     register_builtin(X_TRANSFORMERS_ATTENTION, refuse_x_transformers)
-    for path, adapter in HF_ADAPTERS.items():
+    for path, adapter in {**HF_ADAPTERS, **HF_RECENT_ADAPTERS}.items():
         register_builtin(path, adapter)
     for path in HF_WRAPPERS:
         register_wrapper(path)

@@ -38,10 +38,11 @@ Hugging Face picks the attention kernel at every forward from ``config._attn_imp
 ``eager`` and ``sdpa`` are verified, anything else (flash, flex, a registered custom function) is
 refused until it is, and so is a function registered in place of the stock ``sdpa`` (or under
 ``eager``) in transformers' ``AttentionInterface`` (:func:`kernel_check`). OLMo's ``clip_qkv`` clamps
-the projections and breaks the gauge: refused while set. The Q/K-normalised families Qwen3, OLMo 2
-and Gemma 3 are supported on their norm's gain gauge (``docs/qk_norm.md``); Phi and StableLM with
-``qk_layernorm`` are recognised, their :class:`~gaugeopt.structure.site.QKNorm` recorded, and refused
-(:mod:`gaugeopt.structure.adapters.qk_norm`).
+the projections and breaks the gauge: refused while set. The Q/K-normalised families (Qwen3, OLMo 2,
+Gemma 3, Phi and StableLM with ``qk_layernorm``) have their :class:`~gaugeopt.structure.site.QKNorm`
+recorded; the family's function in :mod:`gaugeopt.structure.adapters.qk_norm` supports it (the gain
+gauge) or refuses it (StableLM's norm modules per head). The 2025–26 families are in
+:mod:`gaugeopt.structure.adapters.hf_recent`.
 
 Example:
     >>> import transformers, gaugeopt
@@ -61,7 +62,7 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.adapters import qk_norm as qkn
 from gaugeopt.structure.adapters.common import refuse, require_stock_forward
-from gaugeopt.structure.rope import RopeSpec
+from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
 
@@ -105,22 +106,28 @@ def _rotary_dims(root: nn.Module, name: str, family: str) -> set[int]:
     return dims
 
 
-def rotary_from_root(root: nn.Module, name: str, family: str, head_dim: int, *, partial: bool) -> RopeSpec:
-    """Split-half RoPE whose width is read from the model's ``<Family>RotaryEmbedding``."""
+def rotary_from_root(root: nn.Module, name: str, family: str, head_dim: int, *, partial: bool,
+                     kind: str = "split_half") -> RopeSpec:
+    """RoPE (``kind``: split-half or interleaved pairs) whose width is read from the model's
+    ``<Family>RotaryEmbedding``."""
     (dim,) = _rotary_dims(root, name, family)
     if dim > head_dim or (dim != head_dim and not partial):
         raise refuse(name, f"partial rotary (rotary width {dim} < head_dim {head_dim})",
                      f"{family}'s apply_rotary_pos_emb rotates whole heads")
-    return RopeSpec("split_half", dim)
+    return RopeSpec(kind, dim)
 
 
-def _with_root_rope(spec: AttentionSpec, *, partial: bool):
-    """An adapter that reads the rotary width from the model's rotary embedding, then builds ``spec``."""
+def _with_root_rope(spec: AttentionSpec, *, partial: bool, kind: str = "split_half", uses_rope=None):
+    """An adapter that reads the rotary width from the model's rotary embedding, then builds ``spec``;
+    ``uses_rope(module) -> bool`` marks layers that skip RoPE (NoPE layers: no rotation at all)."""
     def adapt(root: nn.Module, name: str, m: nn.Module) -> AttentionSite:
         require_stock_forward(name, m)
+        if uses_rope is not None and not uses_rope(m):
+            return dataclasses.replace(spec, rope=NO_ROPE).build(m, name, root)
         family = type(m).__name__.replace("Attention", "")
         head_dim = getattr(m, "head_dim", None) or m.head_size
-        return dataclasses.replace(spec, rope=rotary_from_root(root, name, family, head_dim, partial=partial)).build(m, name, root)
+        rope = rotary_from_root(root, name, family, head_dim, partial=partial, kind=kind)
+        return dataclasses.replace(spec, rope=rope).build(m, name, root)
 
     adapt.spec = spec  # type: ignore[attr-defined]
     return adapt

@@ -8,7 +8,10 @@ the whole head: ``ComplexRoPE`` pairs adjacent coordinates (interleaved), ``CosS
 halves (split-half); both rotate q and k in float32 even in a float64 model, which
 :attr:`~gaugeopt.AttentionSite.float32_steps` records. The inner attention must be
 ``ScaledDotProductAttention`` (verified); ``FlexAttention`` and ``VarlenAttention`` are refused
-until verified. ``qk_norm`` is recognised and refused (:mod:`gaugeopt.structure.adapters.qk_norm`).
+until verified: ``FlexAttention`` runs ``flex_attention`` compiled with max-autotune (a kernel gaugeopt has
+not run), and a fused ``wqkv`` with ``1 < n_kv_heads < n_heads`` has no strided view of ``W_Q``.
+``qk_norm`` (Qwen3's layout: an ``RMSNorm(head_dim)`` shared by all heads, before RoPE) is supported
+through the norm's gain gauge (:mod:`gaugeopt.structure.adapters.qk_norm`).
 
 Example:
     >>> from gaugeopt.structure.adapters.torchtitan import TORCHTITAN_ATTENTION
@@ -41,7 +44,9 @@ def _rope(m: nn.Module) -> RopeSpec:
 def _refusal(m: nn.Module) -> str | None:
     inner = type(m.inner_attention).__name__
     if inner != "ScaledDotProductAttention":
-        return (f"inner_attention is {inner}; gaugeopt has verified torchtitan's ScaledDotProductAttention only "
+        why = (" (flex_attention compiled with max-autotune: a generated kernel gaugeopt has not run, so its exactness "
+               "is not verified)" if inner == "FlexAttention" else "")
+        return (f"inner_attention is {inner}{why}; gaugeopt has verified torchtitan's ScaledDotProductAttention only "
                 "(configure the model with ScaledDotProductAttention.Config())")
     rope = type(m.rope).__name__
     if rope not in _ROPES:
@@ -59,6 +64,7 @@ def _qk_norm(m: nn.Module) -> QKNormSpec | None:
     if m.q_norm is None:
         return None
     return QKNormSpec("rms", "q_norm", "k_norm", eps=lambda a: a.q_norm.eps if a.q_norm.eps is not None else 0.0)
+    # (eps None is refused by qk_norm.torchtitan: nn.RMSNorm then uses the dtype's epsilon)
 
 
 TORCHTITAN_SPEC = AttentionSpec(
