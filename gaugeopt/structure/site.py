@@ -59,6 +59,7 @@ from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from gaugeopt.structure.bias import BiasSector
+    from gaugeopt.structure.latent import LatentAttention
 
 __all__ = ["TensorRef", "Projection", "QKNorm", "AttentionSite"]
 
@@ -224,6 +225,9 @@ class AttentionSite:
         verified: set by :func:`gaugeopt.find_attention`: the record comes from a built-in adapter that
             the test suite verifies for this class. Any other record must pass :func:`gaugeopt.certify`
             before a gauge operation changes parameters through it.
+        latent: multi-head latent attention (DeepSeek-V2/V3, :mod:`gaugeopt.structure.latent`): the record's
+            ``q``/``k``/``v``/``o`` and ``rope`` describe the part without RoPE (``d_k`` is its width), and
+            this holds the RoPE part, whose key all heads share, and the latent spaces; ``None`` otherwise.
     """
 
     name: str
@@ -245,6 +249,7 @@ class AttentionSite:
     float32_steps: str = ""
     fixed_head_order: str = ""
     verified: bool = False
+    latent: "LatentAttention | None" = None
 
     def __post_init__(self) -> None:
         if self.h <= 0 or self.h_kv <= 0 or self.h % self.h_kv:
@@ -278,6 +283,12 @@ class AttentionSite:
                     )
         if self.qk_norm is not None:
             self._check_qk_norm(self.qk_norm)
+        if self.latent is not None:
+            from gaugeopt.structure.latent import check_latent
+
+            if self.qk_norm is not None:
+                raise GaugeError(f"{self.name}: a record with both a QK-norm and latent attention is not supported")
+            check_latent(self)
 
     def _check_qk_norm(self, n: QKNorm) -> None:
         """Gains and biases are ``(1, d_k)`` (shared by every head) or per head: ``(h, d_k)`` on the
@@ -308,9 +319,10 @@ class AttentionSite:
         return i // self.n_rep
 
     def pair(self, kind: str) -> "GaugePair":
-        """The ``"qk"``, ``"vo"`` or ``"qk_gain"`` :class:`~gaugeopt.structure.pair.GaugePair` of this
-        site: its two sides, their members, the GQA repeat and the multiplier on each side's channel
-        axis. A QK-norm site has ``"qk_gain"`` and refuses ``"qk"``; :attr:`qk_kind` says which."""
+        """The ``"qk"``, ``"vo"``, ``"qk_gain"`` or ``"qk_rope"`` :class:`~gaugeopt.structure.pair.GaugePair` of
+        this site: its two sides, their members, the GQA repeat and the multiplier on each side's channel
+        axis. A QK-norm site has ``"qk_gain"`` and refuses ``"qk"``; :attr:`qk_kind` says which; a latent
+        attention site has ``"qk_rope"`` too (:attr:`qk_kinds`)."""
         return GaugePair.of(self, kind)
 
     def bias_sector(self, kind: str) -> "BiasSector":
@@ -335,6 +347,12 @@ class AttentionSite:
         return "qk" if self.qk_norm is None else "qk_gain"
 
     @property
+    def qk_kinds(self) -> tuple[str, ...]:
+        """Every pair that carries part of this site's Q/K gauge: :attr:`qk_kind`, and ``"qk_rope"`` (the
+        RoPE part, whose key all heads share) on a multi-head latent attention site."""
+        return (self.qk_kind, "qk_rope") if self.latent is not None else (self.qk_kind,)
+
+    @property
     def has_multipliers(self) -> bool:
         """True when Q and K carry LRM row multipliers (the GaugeFix-LRM setting)."""
         return self.q.row_mult is not None and self.k.row_mult is not None
@@ -345,12 +363,16 @@ class AttentionSite:
 
     def refs(self) -> Iterator[tuple[str, TensorRef]]:
         """All ``(\"q.weight\", ref)``-style entries of this site, then the QK-norm's gains and
-        biases (``\"q.gain\"``, ``\"k.gain\"``, ``\"q.norm_bias\"``, ``\"k.norm_bias\"``)."""
+        biases (``\"q.gain\"``, ``\"k.gain\"``, ``\"q.norm_bias\"``, ``\"k.norm_bias\"``), then a latent
+        attention's RoPE rows and latents (``\"q_rope.weight\"``, ``\"kv_latent.up\"``, ...; the up-projections
+        are whole tensors that the ``q``/``k``/``v`` entries view in part)."""
         for p, proj in self.projections():
             for role, ref in proj.refs():
                 yield f"{p}.{role}", ref
         if self.qk_norm is not None:
             yield from self.qk_norm.refs()
+        if self.latent is not None:
+            yield from self.latent.refs()
 
     def per_query(self, x: torch.Tensor) -> torch.Tensor:
         """Expand a per-KV-group tensor ``(h_kv, ...)`` to one entry per query head ``(h, ...)``."""
@@ -421,7 +443,10 @@ class AttentionSite:
         extra = f", rope={self.rope.kind}:{self.rope.rotary_dim}" if self.rope.active else ""
         lrm = ", lrm" if self.has_multipliers else ""
         norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm.kind}:{self.qk_norm.scope}"
+        lat = self.latent
+        mla = "" if lat is None else (
+            f", latent(rope={lat.rope.kind}:{lat.r}, " + ", ".join(f"L_{x.name}={x.width}" for x in lat.latents()) + ")")
         return (
             f"AttentionSite({self.name!r}, kind={self.kind}, h={self.h}, h_kv={self.h_kv}, "
-            f"d_k={self.d_k}, d_v={self.d_v}, d_model={self.d_model}{extra}{lrm}{norm})"
+            f"d_k={self.d_k}, d_v={self.d_v}, d_model={self.d_model}{extra}{lrm}{norm}{mla})"
         )
