@@ -25,7 +25,9 @@ heads it has and how RoPE pairs its coordinates. :func:`certify` checks the clai
 A layer whose module computes part of the attention in float32 even in float64 (recorded in
 :attr:`~gaugeopt.AttentionSite.float32_steps`, e.g. torchtitan's RoPE, GPT-J's eager scores)
 gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries, keys, scores or values
-through the softmax (``qk``, ``qk_gain``, ``lrm_qk``, ``perm``, ``key_bias``, ``value_bias``); the controls still need ``1e-3``. One layer is copied at a
+through the softmax (``qk``, ``qk_gain``, ``lrm_qk``, ``perm``, ``key_bias``, ``value_bias``; on multi-head
+latent attention also ``qk_rope``, ``latent_rotation``, ``latent_gain``, which its implementations' float32
+latent norms and rotations see); the controls still need ``1e-3``. One layer is copied at a
 time, so the cost is one float64 attention layer, whatever the model's size.
 
 A wrong record fails: a wrong head count or GQA map, a forgotten partial rotary or a missing
@@ -82,6 +84,9 @@ CONTROL_MIN = 1e-3
 # float32 step in q·kᵀ, RoPE, a Q/K norm (whose mean over all heads' channels a head permutation reorders) or the
 # softmax (whose rows then sum to one only to float32 rounding) can see.
 _QK_SECTORS = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias", "value_bias")
+# Multi-head latent attention (docs/mla.md): every sector either rotates the shared RoPE key or sits behind a latent
+# RMSNorm, which its implementations compute in float32 even in a float64 model.
+_LATENT_FLOAT32_SECTORS = ("qk_rope", "latent_rotation", "latent_gain")
 # How closely a float64 rerun must reproduce the module's output in the model's own forward, by dtype.
 _RERUN_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -291,8 +296,17 @@ def _rebind(site: AttentionSite, module: nn.Module) -> AttentionSite:
     if norm is not None:
         norm = dataclasses.replace(norm, q_gain=ref_on(norm.q_gain), k_gain=ref_on(norm.k_gain),
                                    q_bias=ref_on(norm.q_bias), k_bias=ref_on(norm.k_bias))
+    lat = site.latent
+    if lat is not None:
+        def latent_on(x):
+            return None if x is None else dataclasses.replace(
+                x, down=ref_on(x.down), down_bias=ref_on(x.down_bias), gain=ref_on(x.gain), up=ref_on(x.up))
+
+        lat = dataclasses.replace(lat, q_rope=ref_on(lat.q_rope), q_rope_bias=ref_on(lat.q_rope_bias),
+                                  k_rope=ref_on(lat.k_rope), k_rope_bias=ref_on(lat.k_rope_bias),
+                                  kv_latent=latent_on(lat.kv_latent), q_latent=latent_on(lat.q_latent))
     return dataclasses.replace(site, module=module, q=proj_on(site.q), k=proj_on(site.k), v=proj_on(site.v),
-                               o=proj_on(site.o), qk_norm=norm)
+                               o=proj_on(site.o), qk_norm=norm, latent=lat)
 
 
 def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
@@ -306,9 +320,12 @@ def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
 def claimed_sectors(site: AttentionSite) -> list[str]:
     """The sectors a record claims: ``qk`` — or ``qk_gain``, the norm's gain gauge, with a QK-norm —,
     ``vo``, ``perm`` (more than one head, and no per-head score term), the bias sectors its biases
-    give it (:attr:`~gaugeopt.AttentionSite.bias_kinds`), and the multiplier sectors its learnable
-    multipliers give it."""
+    give it (:attr:`~gaugeopt.AttentionSite.bias_kinds`), the multiplier sectors its learnable
+    multipliers give it, and on multi-head latent attention ``qk_rope``, ``latent_rotation`` and
+    ``latent_gain`` (docs/mla.md)."""
     out = ["qk" if site.qk_norm is None else "qk_gain", "vo"]
+    if site.latent is not None:
+        out += ["qk_rope", "latent_rotation", "latent_gain"]
     if site.h > 1 and not site.fixed_head_order:
         out.append("perm")
     out += list(site.bias_kinds)
@@ -351,6 +368,18 @@ def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
     if sector == "vo":
         apply_invalid(site, "vo_mismatch", g)
         return "vo_mismatch"
+    if sector == "perm" and site.latent is not None:  # every head moved but its RoPE query rows
+        apply_invalid(site, "perm_without_rope", g)
+        return "perm_without_rope"
+    if sector == "qk_rope":  # a general GL(r) on the RoPE part, with its true inverse on the shared key
+        apply_invalid(site, "gl_under_rope", g)
+        return "gl_under_rope"
+    if sector == "latent_rotation":
+        apply_invalid(site, "latent_gl", g)
+        return "latent_gl"
+    if sector == "latent_gain":
+        apply_invalid(site, "latent_gain_alone", g)
+        return "latent_gain_alone"
     if sector == "perm":  # query heads moved, their keys, values and output columns not
         perm = torch.arange(site.h).roll(1)
         for role, ref in site.q.refs():
@@ -414,7 +443,8 @@ def certify_site(site: AttentionSite, call: Call, *, seed: int = 0) -> LayerCert
     randomize_parameters(base, g)
     y = _run(base, args, kwargs)
     for sector in claimed_sectors(site):
-        tol = FLOAT32_TOL if site.float32_steps and sector in _QK_SECTORS else VALID_TOL
+        loose = sector in _QK_SECTORS or (site.latent is not None and sector in _LATENT_FLOAT32_SECTORS)
+        tol = FLOAT32_TOL if site.float32_steps and loose else VALID_TOL
         moved = copy.deepcopy(base)
         _valid(_rebind(site, moved), sector, g)
         valid = relative_change(y, _run(moved, args, kwargs))
