@@ -58,7 +58,7 @@ from gaugeopt.linalg import random_orthogonal, random_well_conditioned
 from gaugeopt.structure.bias import BIAS_SECTORS, missing_reason
 from gaugeopt.structure.latent import LATENT_SECTORS, act_qk_rope, rotate_latent, scale_latent_gain
 from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant
+from gaugeopt.structure.rope import commutator_size, plane_index, random_commutant
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.registry import find_attention
@@ -114,15 +114,7 @@ def _per_query(site: AttentionSite, x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_commutes(site: AttentionSite, A: torch.Tensor, what: str = "A") -> None:
-    if not site.rope.active:
-        return
-    J = commutant_basis(site.rope, site.d_k, dtype=A.dtype).to(A.device)
-    # generators of the RoPE rotations: J on each plane (every odd basis element among the planes)
-    n_planes = site.rope.rotary_dim // 2
-    rot = J[1 : 2 * n_planes : 2]  # (n_planes, d_k, d_k)
-    comm = A[:, None] @ rot[None] - rot[None] @ A[:, None]
-    scale = A.abs().amax().clamp_min(1e-300)
-    if float(comm.abs().amax() / scale) > 1e-10:
+    if commutator_size(site.rope, site.d_k, A) > 1e-10:
         raise GaugeError(
             f"{site.name}: {what} does not commute with the RoPE rotations ({site.rope.kind}, rotary_dim="
             f"{site.rope.rotary_dim}); under RoPE the Q/K gauge is a·I + b·J on each plane "

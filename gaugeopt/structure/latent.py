@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.rope import RopeSpec
+from gaugeopt.structure.rope import RopeSpec, commutator_size
 
 if TYPE_CHECKING:  # pragma: no cover
     from gaugeopt.structure.site import AttentionSite, TensorRef
@@ -206,17 +206,10 @@ def _latent_of(site: "AttentionSite"):
 
 
 def _check_commutes(site: "AttentionSite", rope: RopeSpec, B: torch.Tensor, what: str) -> None:
-    from gaugeopt.structure.rope import commutant_basis
-
-    r = rope.rotary_dim
-    J = commutant_basis(rope, r, dtype=torch.float64)[1::2].to(B.device)  # the plane generators
-    Bd = B.detach().to(torch.complex128 if B.is_complex() else torch.float64)
-    J = J.to(Bd.dtype)
-    comm = Bd[:, None] @ J[None] - J[None] @ Bd[:, None]
-    if float(comm.abs().amax() / Bd.abs().amax().clamp_min(1e-300)) > 1e-10:
+    if commutator_size(rope, rope.rotary_dim, B) > 1e-10:
         raise GaugeError(
             f"{site.name}: {what} does not commute with the RoPE rotations of the shared key ({rope.kind}, "
-            f"rotary_dim={r}); the RoPE part's gauge is a·I + b·J on each plane"
+            f"rotary_dim={rope.rotary_dim}); the RoPE part's gauge is a·I + b·J on each plane"
         )
 
 

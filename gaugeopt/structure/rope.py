@@ -30,7 +30,7 @@ import torch
 
 from gaugeopt.errors import GaugeError
 
-__all__ = ["RopeSpec", "NO_ROPE", "commutant_basis", "plane_index", "random_commutant"]
+__all__ = ["RopeSpec", "NO_ROPE", "commutant_basis", "commutator_size", "plane_index", "random_commutant"]
 
 _KINDS = ("none", "interleaved", "split_half")
 
@@ -129,6 +129,17 @@ def commutant_basis(rope: RopeSpec, d_k: int, dtype=torch.float64) -> torch.Tens
     if not basis:
         return torch.zeros(0, d_k, d_k, dtype=dtype)
     return torch.stack(basis)
+
+
+def commutator_size(rope: RopeSpec, d_k: int, A: torch.Tensor) -> float:
+    """``max |A·J − J·A| / max |A|`` over the plane generators ``J`` of ``rope`` and the matrices ``A
+    (..., d_k, d_k)`` (real or complex): zero exactly when every ``A`` commutes with the rotations."""
+    if not rope.active:
+        return 0.0
+    A = A.detach()
+    J = commutant_basis(rope, d_k, dtype=torch.float64)[1 : rope.rotary_dim : 2].to(A.device, A.dtype)
+    comm = A[..., None, :, :] @ J - J @ A[..., None, :, :]
+    return float(comm.abs().amax() / A.abs().amax().clamp_min(1e-300))
 
 
 def random_commutant(
