@@ -13,14 +13,16 @@ heads it has and how RoPE pairs its coordinates. :func:`certify` checks the clai
 3. for every sector the record claims — ``qk`` (``GL(d_k)`` per KV group, in the RoPE
    commutant; with a QK-norm ``qk_gain``, the gain gauge of the norm), ``vo`` (``GL(d_v)``),
    ``perm`` (head permutations), the bias sectors ``key_bias`` and ``value_bias`` where the
-   record has the biases (:mod:`gaugeopt.structure.bias`), and with learnable
-   multipliers ``lrm_qk``, ``lrm_vo``, ``lrm_internal`` — apply a random valid element to a
+   record has the biases (:mod:`gaugeopt.structure.bias`), with learnable
+   multipliers ``lrm_qk``, ``lrm_vo``, ``lrm_internal``, and on multi-head latent attention
+   ``qk_rope``, ``latent_rotation``, ``latent_gain`` (docs/mla.md) — apply a random valid element to a
    fresh copy and require ``‖y' − y‖ / ‖y‖ ≤ 1e-10``;
 4. per sector, apply a *negative control* (an invalid element: a general ``GL(d_k)`` under RoPE
    or an asymmetric Q/K pair, the plain Q/K gauge under a QK-norm, a mismatched V/O pair, query
-   heads permuted alone, a one-sided multiplier scale, a key shift on RoPE-rotated channels or one
-   that varies with the key, a value bias moved without the output bias) and require a change
-   ``≥ 1e-3``, so that the check has power.
+   heads permuted alone — under latent attention every head but its RoPE query rows —, a one-sided
+   multiplier scale, a key shift on RoPE-rotated channels or one that varies with the key, a value
+   bias moved without the output bias, a general ``GL`` on the shared RoPE key or on a latent, a
+   latent gain moved alone) and require a change ``≥ 1e-3``, so that the check has power.
 
 A layer whose module computes part of the attention in float32 even in float64 (recorded in
 :attr:`~gaugeopt.AttentionSite.float32_steps`, e.g. torchtitan's RoPE, GPT-J's eager scores)
