@@ -85,7 +85,8 @@ def _torchtitan(q_lora: int = 16, rope: str = "ComplexRoPE"):
             attention=att, attention_norm=RMSNorm.Config(normalized_shape=32), ffn_norm=RMSNorm.Config(normalized_shape=32),
             feed_forward=make_ffn_config(dim=32, hidden_dim=48, w1_param_init=init, w2w3_param_init=init))
 
-    cfg = DeepSeekV3Model.Config(dim=32, vocab_size=VOCAB, tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=32),
+    cfg = DeepSeekV3Model.Config(dim=32, vocab_size=VOCAB,
+                                 tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=32),
                                  norm=RMSNorm.Config(normalized_shape=32),
                                  lm_head=Linear.Config(in_features=32, out_features=VOCAB), layers=[layer(i) for i in range(2)])
     return cfg.build(), _ids(4), lambda m, x: m(x)
