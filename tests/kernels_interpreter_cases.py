@@ -80,6 +80,21 @@ def test_fused_gauge_fix_matches_the_torch_core(name, lrm, dtype):
     assert gaugeopt.qk_drift(m2, granularity="auto") < (1e-5 if dtype == torch.float32 else 1e-10)
 
 
+@pytest.mark.parametrize("name", ["hf_deepseek_v3", "litgpt_mla"])
+def test_fused_gauge_fix_of_latent_attention_matches_the_torch_core(name):
+    """Multi-head latent attention (docs/mla.md): the part without RoPE per head (rows inside each head's
+    block of the up-projections: strided views) and the RoPE part, one group of every head against the
+    shared key, with V/O."""
+    import mla_helpers
+
+    model = mla_helpers.build(name).model
+    opt = _setup(model)
+    (m1, o1, r1), (m2, o2, r2) = _both(model, opt, vo=True)
+    assert_same_fix(m1, o1, r1, m2, o2, r2, F64)
+    assert {p.kind for p in r2.pairs} == {"qk", "qk_rope", "vo"} and r2.max_drift_before > 1e-2
+    assert gaugeopt.qk_drift(m2) < 1e-10
+
+
 @pytest.mark.parametrize("name,lrm", [("gpt_rope_split_half_gqa", True), ("hf_qwen2", False)])
 def test_second_fix_reports_the_same_heads_on_both_backends(name, lrm):
     """Right after a float32 fix every factor is 1 up to rounding: a second fix changes no group,

@@ -1,7 +1,7 @@
 """Reference constructions for the projection tests, independent of gaugeopt's projector.
 
 Generators are the derivatives of the *finite* gauge actions of :mod:`gaugeopt.structure.actions`
-(``act_qk``, ``act_vo``, ``scale_qk_multipliers``, ``scale_vo_multipliers``,
+(``act_qk``, ``act_vo``, ``act_qk_rope``, ``scale_qk_multipliers``, ``scale_vo_multipliers``,
 ``rescale_lrm_internal``, ``scale_qk_gains``, ``shift_key_bias``, ``trade_value_bias``) at the identity, taken by the complex-step method: on a complex
 copy of the model, apply the action with group element ``I + iε·E`` and read
 ``Im(θ)/ε`` — exact to rounding (no subtractive cancellation, truncation ``O(ε²)`` with
@@ -27,6 +27,7 @@ from gaugeopt.structure.actions import (
     act_qk, act_vo, rescale_lrm_internal, scale_qk_gains, scale_qk_multipliers, scale_vo_multipliers, shift_key_bias,
     trade_value_bias,
 )
+from gaugeopt.structure.latent import act_qk_rope
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import commutant_basis, orthogonal_commutant_basis, plane_index
 
@@ -103,6 +104,14 @@ def generator_images(
                 basis = orthogonal_commutant_basis(s.rope, s.d_k) if s.qk_orthogonal else commutant_basis(s.rope, s.d_k)
                 for E in basis:
                     out.append((s.name, _images(mc, lambda s=s, j=j, E=E: act_qk(s, _one(s.h_kv, s.d_k, j, E)), cand)))
+    elif sector == "qk_rope":  # multi-head latent attention: one factor for every head against the shared key
+        for s in sites:
+            if s.latent is None:
+                continue
+            cand = s.parameter_names()
+            r = s.latent.r
+            for E in commutant_basis(s.latent.rope, r):
+                out.append((s.name, _images(mc, lambda s=s, E=E: act_qk_rope(s, _one(1, r, 0, E)), cand)))
     elif sector == "vo":
         for s in sites:
             cand = s.parameter_names()

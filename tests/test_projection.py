@@ -21,7 +21,7 @@ from gaugeopt.structure.invariance import randomize_parameters
 
 
 LRM_SECTORS = ("lrm_qk", "lrm_vo", "lrm_internal")
-PLAIN_SECTORS = tuple(s for s in SECTORS if s != "qk_gain")  # every sector of a model without QK-norm
+PLAIN_SECTORS = tuple(s for s in SECTORS if s not in ("qk_gain", "qk_rope"))  # every sector of plain attention (no QK-norm, no MLA)
 SECTOR_CASES = [(n, lrm, s) for n, lrm in zoo.CASES for s in ("qk", "vo") + (LRM_SECTORS if lrm else ())]
 SECTOR_IDS = [f"{n}{'+lrm' if lrm else ''}-{s}" for n, lrm, s in SECTOR_CASES]
 

@@ -18,6 +18,12 @@ backends consume plans.
   are refused on such a site's Q/K pair; its V/O pair follows the rules above. A plan of a
   gain pair reports mode ``"gain"``.
 
+**Multi-head latent attention** (docs/mla.md): the Q/K gauge is two pairs, each balanced on its own
+— the part without RoPE per head (``W_qb[i][:n]`` against ``W_kvb[i][:n]``; no RoPE, so ``"auto"`` is
+per head and ``"channel"`` is allowed), and the RoPE part per plane across all heads against the one
+key they share (``"auto"``: per plane; ``"channel"`` is refused there). Multipliers are not supported
+on these layers, so the mode is ``"plain"``. The latent spaces' gains are left alone (docs/mla.md says why).
+
 **Granularity** — which channels of a head share one scale (a *slot*):
 
 * ``"head"``    — one slot per KV group (paper 002);
@@ -218,7 +224,9 @@ def plan_pairs(
 
     Args:
         kinds: ``"qk"`` and/or ``"vo"``. ``"qk"`` is each site's Q/K gauge: the ``"qk_gain"`` pair on a
-            QK-norm site, the ``"qk"`` pair elsewhere (:attr:`~gaugeopt.AttentionSite.qk_kind`).
+            QK-norm site, the ``"qk"`` pair elsewhere (:attr:`~gaugeopt.AttentionSite.qk_kind`), and on
+            multi-head latent attention also the ``"qk_rope"`` pair of its RoPE part — one plan each
+            (:attr:`~gaugeopt.AttentionSite.qk_kinds`; docs/mla.md).
         granularity: Q/K slots, one of :data:`GRANULARITIES` (``"auto"``: per RoPE plane
             where the site uses RoPE, per head otherwise; per channel for gains without RoPE).
         vo_granularity: V/O slots, ``"head"`` or ``"channel"`` (RoPE does not act on values).
@@ -235,10 +243,11 @@ def plan_pairs(
         for kind in kinds:
             if kind == "qk" and site.qk_orthogonal:
                 continue  # the norm fixes each head's scale: no Q/K scale is a gauge there
-            pair = site.pair(site.qk_kind if kind == "qk" else kind)
-            m = _resolve_mode(pair, mode)
-            gran, slot, n_slots = _slots(pair, granularity if kind == "qk" else vo_granularity)
-            plans.append(PairPlan(pair, m, gran, pair.a.members(m), pair.b.members(m), slot, n_slots))
+            for pair_kind in (site.qk_kinds if kind == "qk" else (kind,)):
+                pair = site.pair(pair_kind)
+                m = _resolve_mode(pair, mode)
+                gran, slot, n_slots = _slots(pair, granularity if kind == "qk" else vo_granularity)
+                plans.append(PairPlan(pair, m, gran, pair.a.members(m), pair.b.members(m), slot, n_slots))
     return plans
 
 

@@ -7,14 +7,16 @@ Algorithm 2). Both sectors are instances of one *bilinear* family: per KV group 
 
     δa_k = Λ_k⁻¹ Mᵀ Λ_k a_k,        δb_k = −Γ_k⁻¹ M Γ_k b_k,
 
-======  ========================================  ==========================================  ==========
-sector  A side (``a_k``, twist ``Λ_k``)             B side (``b_k``, twist ``Γ_k``)               ``M``
-======  ========================================  ==========================================  ==========
-``qk``  ``[W̄_Q[i] | b̄_Q[i]]``, ``r_Q[i]``          ``[W̄_K[j] | b̄_K[j]]``, ``r_K[j]``             ``X``
-``vo``  ``[W̄_V[j] | b̄_V[j]]``, ``r_V[j]``          ``W̄_O[:, i]ᵀ``, ``c_O[i]``                   ``Y = Zᵀ``
-======  ========================================  ==========================================  ==========
+===========  ========================================  ==========================================  ==========
+sector       A side (``a_k``, twist ``Λ_k``)             B side (``b_k``, twist ``Γ_k``)               ``M``
+===========  ========================================  ==========================================  ==========
+``qk``       ``[W̄_Q[i] | b̄_Q[i]]``, ``r_Q[i]``          ``[W̄_K[j] | b̄_K[j]]``, ``r_K[j]``             ``X``
+``vo``       ``[W̄_V[j] | b̄_V[j]]``, ``r_V[j]``          ``W̄_O[:, i]ᵀ``, ``c_O[i]``                   ``Y = Zᵀ``
+``qk_rope``  RoPE query rows of every head              the shared RoPE key rows (one group)          ``X``
+===========  ========================================  ==========================================  ==========
 
-over the query heads ``i`` of group ``j``. Without multipliers every twist is ``I`` and these
+over the query heads ``i`` of group ``j`` (``qk_rope``: multi-head latent attention, docs/mla.md —
+one group, all heads; its generators are the RoPE commutant, closed form per plane). Without multipliers every twist is ``I`` and these
 are the generators ``δW_Q[i] = XᵀW_Q[i]``, ``δW_K[j] = −X W_K[j]``, ``δW_V[j] = Z W_V[j]``,
 ``δW_O[:, i] = −W_O[:, i] Z``. Under LRM the parameters are ``W̄, r, c``, not ``W``: the
 effective-weight generator ``δW_Q = XᵀW_Q`` with ``W_Q = diag(r) W̄ diag(c)`` is
@@ -199,6 +201,7 @@ class _Site:
     q: slice | None
     n_planes: int
     orthogonal: bool = False  # only b·J per plane (site.qk_orthogonal)
+    groups: int = 0  # independent group elements (h_kv; 1 for the shared RoPE key of latent attention)
 
     def key(self) -> tuple:
         """Sites with equal keys are solved in one batch (and stacked on CUDA)."""
@@ -206,7 +209,7 @@ class _Site:
         sa, sb = self.sa, self.sb
         return (self.n, self.n_free, self.n_planes, sa.heads, sb.heads, sa.repeat, sb.repeat,
                 sa.weight.shape, sb.weight.shape, sa.bias is not None, sb.bias is not None,
-                sa.mult is not None, sb.mult is not None, s.h_kv)
+                sa.mult is not None, sb.mult is not None, self.groups)
 
 
 @dataclass
@@ -255,8 +258,8 @@ class DenseSector:
     """
 
     def __init__(self, kind: str, sites: list[AttentionSite], *, approx_iters: int = 4) -> None:
-        if kind not in ("qk", "vo"):
-            raise GaugeError(f"DenseSector: kind={kind!r} must be 'qk' or 'vo'")
+        if kind not in ("qk", "vo", "qk_rope"):
+            raise GaugeError(f"DenseSector: kind={kind!r} must be 'qk', 'vo' or 'qk_rope'")
         self.name = kind
         self.sites = sites
         self.approx_iters = approx_iters
@@ -264,7 +267,7 @@ class DenseSector:
         self.static: list[_Site] = []
         for s in sites:
             pair = GaugePair.of(s, kind, orthogonal_ok=True)
-            n = s.d_k if kind == "qk" else s.d_v
+            n = pair.width
             planes = pair.rope.planes(n) if pair.rope.active else []
             in_plane = {c for pq in planes for c in pq}
             free = [c for c in range(n) if c not in in_plane]
@@ -274,7 +277,7 @@ class DenseSector:
                                  "RoPE does not rotate; their so(d) part is not implemented (leave the site out)")
             self.static.append(_Site(s, pair.a, pair.b, n, _index(free), len(free),
                                      _index([p for p, _ in planes]), _index([q for _, q in planes]), len(planes),
-                                     orthogonal))
+                                     orthogonal, pair.groups))
 
     # ------------------------------------------------------------------ structure
     def refs(self) -> list[TensorRef]:
@@ -288,11 +291,14 @@ class DenseSector:
         return [s.name for s in self.sites]
 
     def dimension(self) -> int:
-        """Number of generators: per KV group ``d_k²`` (RoPE-reduced) for ``qk``, ``d_v²`` for ``vo``."""
-        def qk(s):
-            return s.rope.orthogonal_gauge_dim(s.d_k) if s.qk_orthogonal else s.rope.qk_gauge_dim(s.d_k)
+        """Number of generators: per KV group ``d_k²`` (RoPE-reduced; the rotations of the planes alone on a
+        ``qk_orthogonal`` layer) for ``qk``, ``d_v²`` for ``vo``; the RoPE commutant of the one shared key for
+        ``qk_rope``."""
+        def dim(st: _Site) -> int:
+            rope = GaugePair.of(st.site, self.name, orthogonal_ok=True).rope
+            return rope.orthogonal_gauge_dim(st.n) if st.orthogonal else rope.qk_gauge_dim(st.n)
 
-        return sum(s.h_kv * (qk(s) if self.name == "qk" else s.d_v**2) for s in self.sites)
+        return sum(st.groups * dim(st) for st in self.static)
 
     # ------------------------------------------------------------------ prepare (depends on θ only)
     def prepare(self, ctx) -> _Prepared:
@@ -335,7 +341,7 @@ class DenseSector:
             for ci, chunk in enumerate(batch.chunks):
                 A, B, lam, gam = _chunk_theta(batch, ci)
                 st = batch.points[chunk[0]].st
-                G = st.site.h_kv * len(chunk)
+                G = st.groups * len(chunk)
                 Mc = M[off : off + G]
                 off += G
                 Ma, Mb = _head_matrices(Mc, lam, gam, st)
@@ -347,7 +353,7 @@ class DenseSector:
                     for j, i in enumerate(chunk):
                         pt = batch.points[i]
                         c = coefs.setdefault(id(pt), _zero_coef(pt))
-                        h = st.site.h_kv
+                        h = st.groups
                         _set_block(c, st.free, Mc[j * h : (j + 1) * h])
         if record is None:
             return
@@ -364,7 +370,7 @@ class DenseSector:
         Planes: ``I_m``, ``J_m`` per KV group; the dense block: every elementary matrix."""
         for pt in prep.points:
             st = pt.st
-            n, G = st.n, st.site.h_kv
+            n, G = st.n, st.groups
             dev, dt = pt.A.W.device, pt.A.W.dtype
             rng = lambda idx: [] if idx is None else list(range(n))[idx]  # noqa: E731
             mats = []
@@ -397,7 +403,7 @@ def _sq(r: _Rows) -> torch.Tensor:
 
 
 def _zero_coef(pt: _Point) -> torch.Tensor:
-    return torch.zeros(pt.st.site.h_kv, pt.st.n, pt.st.n, dtype=pt.A.W.dtype, device=pt.A.W.device)
+    return torch.zeros(pt.st.groups, pt.st.n, pt.st.n, dtype=pt.A.W.dtype, device=pt.A.W.device)
 
 
 def _set_block(c: torch.Tensor, idx, block: torch.Tensor) -> None:
@@ -405,7 +411,7 @@ def _set_block(c: torch.Tensor, idx, block: torch.Tensor) -> None:
 
 
 def _writer(pt: _Point, M: torch.Tensor):
-    """Write the generator images of the full coefficient matrices ``M (h_kv, n, n)`` into ``out``."""
+    """Write the generator images of the full coefficient matrices ``M (groups, n, n)`` into ``out``."""
 
     def write(out) -> None:
         Ma, Mb = _head_matrices(M, pt.lam, pt.gam, pt.st)

@@ -24,11 +24,19 @@ sector            generators (per KV group / channel / block)      solver
                   (or channel), per layer or KV group
 ``key_bias``      ``b̄_K`` on the non-rotary channels                   closed form (coordinates)
 ``value_bias``    ``b̄_V`` traded against ``b̄_O`` through ``W_O``       Cholesky, ``h_kv·d_v`` per layer
+``qk_rope``       multi-head latent attention: the RoPE commutant    closed form per plane
+                  on every head's RoPE query rows against the
+                  one key they share (docs/mla.md)
 ================  ==============================================  ==============================
 
 The bias sectors (:mod:`gaugeopt.structure.bias`, :mod:`gaugeopt.projection.bias`) are present where
 the biases are: ``key_bias`` needs a key bias on channels RoPE does not rotate (none under full
 RoPE or a QK-norm), ``value_bias`` value and output biases.
+
+**Multi-head latent attention** (``site.latent``, docs/mla.md): ``qk`` and ``vo`` are the part without
+RoPE (per head) and ``qk_rope`` the RoPE part; its latent sectors (``latent_rotation``, ``latent_gain``)
+are symmetries that the projector does not remove — like the residual stream's norm sectors, they are
+counted, measured and certified, not projected.
 
 **QK-norm sites** (``site.qk_norm``) have no ``qk`` and no ``lrm_qk`` sector — neither is a
 symmetry once queries and keys are normalised — and a ``qk_gain`` sector instead
@@ -133,7 +141,7 @@ from gaugeopt.projection.sylvester import default_cg_tol, default_rtol
 
 __all__ = ["SECTORS", "OPT_IN", "MODES", "check_mode", "GaugeProjector", "Decomposition", "horizontal"]
 
-SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias")
+SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias", "qk_rope")
 # Sectors "auto" leaves out and "all" includes: the value-bias trade couples V/O to the output bias,
 # and projecting {vo, value_bias} jointly costs ~10 CG iterations of the vo sector (~9x the head gauges
 # on a GPT-2 layer) for ~3% of an AdamW update's norm (tests/test_bias_sectors.py measures both).
@@ -150,13 +158,13 @@ def check_mode(mode: str, owner: str = "GaugeProjector") -> None:
 
 # Families of mutually disjoint sectors (their projections add up); the families overlap one another.
 # The joint projection eliminates the last family present exactly and solves for the others by CG.
-_FAMILIES = (("qk", "vo", "lrm_qk", "lrm_vo", "qk_gain"), ("key_bias", "value_bias"), ("lrm_internal",))
+_FAMILIES = (("qk", "vo", "lrm_qk", "lrm_vo", "qk_gain", "qk_rope"), ("key_bias", "value_bias"), ("lrm_internal",))
 _OVERLAPPING = ("lrm_internal",)
 _REDUNDANT = {"lrm_qk": "qk", "lrm_vo": "vo"}  # with lrm_internal present, the key's span lies in the value's + internal
 
 # Which sectors share parameter entries (the rest touch disjoint entries: their spans are orthogonal).
 _SHARES = {frozenset(p) for p in (("qk", "key_bias"), ("vo", "value_bias"))} | {
-    frozenset(("lrm_internal", s)) for s in ("qk", "vo", "lrm_qk", "lrm_vo", "key_bias", "value_bias")}
+    frozenset(("lrm_internal", s)) for s in ("qk", "vo", "lrm_qk", "lrm_vo", "key_bias", "value_bias", "qk_rope")}
 
 
 def _components(secs: Sequence[str]) -> list[list[list[str]]]:
@@ -341,6 +349,8 @@ class GaugeProjector:
             "key_bias": BiasShiftSector("key_bias", keep("key_bias", self.sites, lambda u: BiasShiftSector("key_bias", u))),
             "value_bias": BiasShiftSector("value_bias",
                                           keep("value_bias", self.sites, lambda u: BiasShiftSector("value_bias", u))),
+            "qk_rope": DenseSector("qk_rope", keep("qk_rope", [s for s in self.sites if s.latent is not None],
+                                                   lambda u: DenseSector("qk_rope", u)), approx_iters=approx_iters),
         }
         available = tuple(k for k in SECTORS if impl[k].units())
         if sectors == "all":

@@ -11,6 +11,7 @@
 * :mod:`.lrm` — learnable multipliers (:class:`LRMLinear`, :func:`apply_lrm`);
 * :mod:`.actions` — finite gauge actions, random group elements, invalid controls;
 * :mod:`.bias` — the bias sectors (key-bias shift, value-bias trade): which bias moves, where;
+* :mod:`.latent` — multi-head latent attention (DeepSeek-V2/V3): its shared RoPE key and latent spaces;
 * :mod:`.stream`, :mod:`.stream_sectors` — the residual stream of a decoder (writers, norms,
   readers) and the symmetries that act across it;
 * :mod:`.symmetries` — every known symmetry as a family of finite actions on one model;

@@ -16,11 +16,17 @@ action                    effect
                           constant per RoPE plane when the norm acts before RoPE)
 :func:`shift_key_bias`    ``b_K[j][c] += δ`` on the non-rotary channels ``c`` (the bias sectors,
 :func:`trade_value_bias`  :mod:`gaugeopt.structure.bias`); ``b_V[j] += δ``, ``b_O −= Σ_{i∈j} W_O[:, i] δ``
+:func:`~gaugeopt.structure.latent.act_qk_rope`        multi-head latent attention (:mod:`gaugeopt.structure.latent`):
+:func:`~gaugeopt.structure.latent.rotate_latent`      the RoPE part ``q_i ← Bᵀq_i`` (every head), ``k_pe ← B⁻¹k_pe``;
+:func:`~gaugeopt.structure.latent.scale_latent_gain`  a latent's ``O(L)`` rotation and its gain against the
+                          up-projection's columns
 ========================  =================================================================
 
 On a QK-norm site (``site.qk_norm``, docs/qk_norm.md) :func:`act_qk` and
 :func:`scale_qk_multipliers` are *not* symmetries; its Q/K gauge is :func:`scale_qk_gains`, and
-:func:`permute_heads` moves per-head gains with their heads.
+:func:`permute_heads` moves per-head gains with their heads. On a multi-head latent attention site
+(``site.latent``, docs/mla.md) :func:`act_qk` and :func:`act_vo` act on the part without RoPE, and
+:func:`permute_heads` moves each head's RoPE query rows with the rest of the head.
 
 :func:`random_gauge_transform` draws well-conditioned elements of any of these; and
 :func:`invalid_gauge_transform` applies the paper's negative controls (asymmetric Q/K, wrong
@@ -48,10 +54,12 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.linalg import random_well_conditioned
+from gaugeopt.linalg import random_orthogonal, random_well_conditioned
 from gaugeopt.structure.bias import BIAS_SECTORS, missing_reason
+from gaugeopt.structure.latent import LATENT_SECTORS, act_qk_rope, rotate_latent, scale_latent_gain
 from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.rope import commutant_basis, plane_index, random_commutant, random_orthogonal_commutant
+from gaugeopt.structure.rope import (commutant_basis, commutator_size, plane_index, random_commutant,
+                                     random_orthogonal_commutant)
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.gate import trusted_sites
 
@@ -76,17 +84,23 @@ __all__ = [
     "QK_NORM_INVALID_KINDS",
     "BIAS_INVALID_KINDS",
     "SINK_INVALID_KINDS",
+    "LATENT_INVALID_KINDS",
+    "ALL_INVALID_KINDS",
     "applicable_invalid_kinds",
 ]
 
 BIAS_KINDS = BIAS_SECTORS
-VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias")
+VALID_KINDS = ("qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias",
+               *LATENT_SECTORS)
 INVALID_KINDS = ("asymmetric_qk", "wrong_inverse", "vo_mismatch", "cross_head", "gl_under_rope",
                  "qk_under_norm", "head_scalar", "gain_off_plane", "gain_untied", "gain_without_bias",
                  "key_bias_rope", "value_bias_alone", "sinks_unmoved", "bias_under_sinks")
 QK_NORM_INVALID_KINDS = INVALID_KINDS[5:10]  # controls that need a QK-norm site
 BIAS_INVALID_KINDS = INVALID_KINDS[10:12]  # controls that need a key bias under RoPE, a value bias
 SINK_INVALID_KINDS = INVALID_KINDS[12:]  # controls that need attention sinks
+# controls that need multi-head latent attention (docs/mla.md); apart, so that INVALID_KINDS stays what plain attention has
+LATENT_INVALID_KINDS = ("rope_per_head", "perm_without_rope", "latent_gl", "latent_gain_alone")
+ALL_INVALID_KINDS = INVALID_KINDS + LATENT_INVALID_KINDS
 _NOT_UNDER_NORM = ("qk", "lrm_qk")  # valid kinds that a QK-norm site does not have
 
 
@@ -102,15 +116,7 @@ def _per_query(site: AttentionSite, x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_commutes(site: AttentionSite, A: torch.Tensor, what: str = "A") -> None:
-    if not site.rope.active:
-        return
-    J = commutant_basis(site.rope, site.d_k, dtype=A.dtype).to(A.device)
-    # generators of the RoPE rotations: J on each plane (every odd basis element among the planes)
-    n_planes = site.rope.rotary_dim // 2
-    rot = J[1 : 2 * n_planes : 2]  # (n_planes, d_k, d_k)
-    comm = A[:, None] @ rot[None] - rot[None] @ A[:, None]
-    scale = A.abs().amax().clamp_min(1e-300)
-    if float(comm.abs().amax() / scale) > 1e-10:
+    if commutator_size(site.rope, site.d_k, A) > 1e-10:
         raise GaugeError(
             f"{site.name}: {what} does not commute with the RoPE rotations ({site.rope.kind}, rotary_dim="
             f"{site.rope.rotary_dim}); under RoPE the Q/K gauge is a·I + b·J on each plane "
@@ -189,10 +195,12 @@ def permute_heads(site: AttentionSite, kv_perm: torch.Tensor, q_perm: torch.Tens
             f"{site.name}: q_perm={q_perm.tolist()} must permute range({site.h}) and keep each query head with "
             f"its KV group (new head i must come from old group kv_perm[i // {n}])"
         )
-    for role, ref in site.q.refs():
-        if role != "col_mult":
-            v = ref.get()
-            v.copy_(v[q_perm])
+    q_refs = [ref for role, ref in site.q.refs() if role != "col_mult"]
+    if site.latent is not None:  # a head's RoPE query rows move with it; the shared key stays
+        q_refs += [r for r in (site.latent.q_rope, site.latent.q_rope_bias) if r is not None]
+    for ref in q_refs:
+        v = ref.get()
+        v.copy_(v[q_perm])
     for proj in (site.k, site.v):
         for role, ref in proj.refs():
             if role != "col_mult":
@@ -378,6 +386,9 @@ def _site_kinds(site: AttentionSite, kinds: tuple[str, ...], explicit: bool, wha
         why = missing_reason(site, kind)
         if why is not None:
             lacking[kind] = why
+    if site.latent is None:
+        for kind in LATENT_SECTORS:
+            lacking[kind] = "it is not multi-head latent attention (no RoPE key shared by all heads, no latent spaces)"
     bad = [k for k in kinds if k in lacking]
     if bad and explicit:
         raise GaugeError(f"{what}: kind {bad[0]!r} does not apply to {site.name}: {lacking[bad[0]]}; or pass kinds='all'")
@@ -407,7 +418,9 @@ def random_gauge_transform(
             (diagonal multiplier gauges), ``"lrm_internal"`` (every LRM layer's internal
             rescaling), ``"qk_gain"`` (a QK-norm site's gain gauge, with random signs), ``"key_bias"``,
             ``"value_bias"`` (the bias sectors, :mod:`gaugeopt.structure.bias`: shifts ``δ ~
-            N(0, log_scale²)``), or ``"all"`` for every kind each site has. A QK-norm site has
+            N(0, log_scale²)``), on multi-head latent attention ``"qk_rope"`` (the RoPE part),
+            ``"latent_rotation"`` (Haar-random ``O(L)`` per latent) and ``"latent_gain"`` (a gain factor per
+            latent channel, random signs; docs/mla.md), or ``"all"`` for every kind each site has. A QK-norm site has
             ``"qk_gain"`` and neither ``"qk"``, ``"lrm_qk"`` nor ``"key_bias"``; a key bias under full
             RoPE has no ``"key_bias"`` sector; asking a site for a kind it lacks raises :class:`GaugeError`.
         generator: a ``torch.Generator`` or an integer seed, for reproducibility.
@@ -424,9 +437,9 @@ def random_gauge_transform(
     has_lrm = any(isinstance(m, LRMLinear) for m in model.modules())
     explicit = kinds not in ("all", None)
     if kinds is None:
-        kinds = ("qk", "qk_gain", "vo", "perm")
+        kinds = ("qk", "qk_gain", "vo", "perm", "qk_rope")
     elif kinds == "all":
-        kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm", "qk_gain", *BIAS_KINDS)
+        kinds = VALID_KINDS if has_lrm else ("qk", "vo", "perm", "qk_gain", *BIAS_KINDS, *LATENT_SECTORS)
     kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     bad = [k for k in kinds if k not in VALID_KINDS]
     if bad:
@@ -447,16 +460,29 @@ def random_gauge_transform(
 
 
 # the per-site kinds, in the order random_gauge_transform applies them
-_SITE_ORDER = ("lrm_qk", "lrm_vo", "key_bias", "value_bias", "qk", "qk_gain", "vo", "perm")
+_SITE_ORDER = ("lrm_qk", "lrm_vo", "key_bias", "value_bias", "latent_gain", "latent_rotation", "qk", "qk_rope",
+               "qk_gain", "vo", "perm")
 
 
 def apply_valid(site: AttentionSite, kind: str, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
     """Apply one random valid element of the per-site gauge ``kind`` (``"qk"``, ``"qk_gain"``,
-    ``"vo"``, ``"perm"``, ``"lrm_qk"``, ``"lrm_vo"``, ``"key_bias"``, ``"value_bias"``) to ``site``, in
-    place (no certificate check: the building block of :func:`random_gauge_transform` and
-    :func:`gaugeopt.certify`)."""
+    ``"vo"``, ``"perm"``, ``"lrm_qk"``, ``"lrm_vo"``, ``"key_bias"``, ``"value_bias"``, ``"qk_rope"``,
+    ``"latent_rotation"``, ``"latent_gain"``) to ``site``, in place (no certificate check: the building
+    block of :func:`random_gauge_transform` and :func:`gaugeopt.certify`)."""
     g, dtype = generator, torch.float64
-    if kind in BIAS_KINDS:
+    if kind == "qk_rope":
+        lat = site.latent
+        if lat is None:
+            raise GaugeError(f"apply_valid: {site.name} has no 'qk_rope' part (not multi-head latent attention)")
+        act_qk_rope(site, random_commutant(lat.rope, lat.r, 1, log_scale=log_scale, generator=g))
+    elif kind == "latent_rotation":
+        for lat in _latents(site):
+            rotate_latent(site, lat.name, random_orthogonal(1, lat.width, generator=g)[0])
+    elif kind == "latent_gain":
+        for lat in _latents(site):
+            sign = torch.where(torch.rand(lat.width, generator=g) < 0.5, -1.0, 1.0).to(dtype)
+            scale_latent_gain(site, lat.name, sign * _log_uniform((lat.width,), log_scale, g, dtype))
+    elif kind in BIAS_KINDS:
         sec = site.bias_sector(kind)
         delta = log_scale * torch.randn(sec.groups, len(sec.channels), generator=g, dtype=dtype)
         (shift_key_bias if kind == "key_bias" else trade_value_bias)(site, delta)
@@ -488,6 +514,12 @@ def apply_valid(site: AttentionSite, kind: str, generator: torch.Generator | Non
         raise GaugeError(f"apply_valid: kind={kind!r} is not one of {_SITE_ORDER}")
 
 
+def _latents(site: AttentionSite):
+    if site.latent is None:
+        raise GaugeError(f"{site.name} has no latent spaces (not multi-head latent attention)")
+    return site.latent.latents()
+
+
 def random_lrm_internal(module: LRMLinear, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
     """A random element of one LRM layer's internal gauge (:func:`rescale_lrm_internal`)."""
     t = _log_uniform((module.out_features,), log_scale, generator, torch.float64)
@@ -496,10 +528,10 @@ def random_lrm_internal(module: LRMLinear, generator: torch.Generator | None = N
 
 
 def applicable_invalid_kinds(sites: Sequence[AttentionSite]) -> tuple[str, ...]:
-    """The :data:`INVALID_KINDS` that apply to these sites (each needs some feature, see
+    """The :data:`ALL_INVALID_KINDS` that apply to these sites (each needs some feature, see
     :func:`invalid_gauge_transform`)."""
     out = []
-    for kind in INVALID_KINDS:
+    for kind in ALL_INVALID_KINDS:
         try:
             _invalid_sites(sites, kind)
         except GaugeError:
@@ -510,8 +542,9 @@ def applicable_invalid_kinds(sites: Sequence[AttentionSite]) -> tuple[str, ...]:
 
 def _invalid_sites(sites: Sequence[AttentionSite], kind: str) -> list[AttentionSite]:
     """The sites a control acts on; raises when it applies to none of them."""
+    mla = (lambda s: s.latent is not None, "multi-head latent attention")
     need = {
-        "gl_under_rope": (lambda s: s.rope.active, "a model with RoPE"),
+        "gl_under_rope": (lambda s: s.rope.active or s.latent is not None, "a model with RoPE"),
         "cross_head": (lambda s: s.h_kv >= 2, "at least two KV heads"),
         "qk_under_norm": (lambda s: s.qk_norm is not None or bool(s.qk_orthogonal), "a QK-norm model"),
         "head_scalar": (lambda s: bool(s.qk_orthogonal) or
@@ -530,6 +563,11 @@ def _invalid_sites(sites: Sequence[AttentionSite], kind: str) -> list[AttentionS
                           "attention sinks on more than one head"),
         "bias_under_sinks": (lambda s: s.sinks is not None and _sink_bias_shift(s) is not None,
                              "attention sinks with a key bias on non-rotary channels, or value and output biases"),
+        "rope_per_head": mla,
+        "perm_without_rope": (lambda s: s.latent is not None and s.h > 1 and not s.fixed_head_order,
+                              "multi-head latent attention with two or more heads"),
+        "latent_gl": mla,
+        "latent_gain_alone": mla,
     }
     if kind not in need:
         return list(sites)
@@ -578,11 +616,23 @@ def invalid_gauge_transform(
                            the non-rotary channels), which the sinks break (:mod:`gaugeopt.structure.bias`)
     =====================  ===============================================================
 
+    Multi-head latent attention (:data:`LATENT_INVALID_KINDS`, docs/mla.md): ``gl_under_rope`` is a
+    general ``B ∈ GL(r)`` on its RoPE part with its true inverse on the shared key, and
+
+    =====================  ===============================================================
+    ``rope_per_head``      the RoPE part with a commutant element per query head (``B_i``), the
+                           shared key divided by the first head's: the key is not per head
+    ``perm_without_rope``  the heads' rows and columns permuted, each head's RoPE query rows left
+    ``latent_gl``          a general ``M ∈ GL(L)`` on each latent with its exact inverse on the
+                           up-projection (``W_up D M⁻¹ D⁻¹``): the RMSNorm keeps only rotations
+    ``latent_gain_alone``  a latent's gain rescaled without the up-projection's columns
+    =====================  ===============================================================
+
     Raises:
         GaugeError: the control applies to no site of the model (e.g. ``gain_off_plane`` without RoPE).
     """
-    if kind not in INVALID_KINDS:
-        raise GaugeError(f"invalid_gauge_transform: kind={kind!r} is not one of {INVALID_KINDS}")
+    if kind not in ALL_INVALID_KINDS:
+        raise GaugeError(f"invalid_gauge_transform: kind={kind!r} is not one of {ALL_INVALID_KINDS}")
     sites = _invalid_sites(trusted_sites(model, "invalid_gauge_transform", sites=sites), kind)
     g = as_generator(generator, "invalid_gauge_transform")
     for site in sites:
@@ -591,13 +641,13 @@ def invalid_gauge_transform(
 
 
 def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | None = None, *, log_scale: float = 0.5) -> None:
-    """Apply the negative control ``kind`` (:data:`INVALID_KINDS`) to one site, in place; a control
+    """Apply the negative control ``kind`` (:data:`ALL_INVALID_KINDS`) to one site, in place; a control
     that does not apply to the site (``gl_under_rope`` without RoPE, ``cross_head`` with one KV
     head, a QK-norm control on plain attention) leaves it unchanged."""
     g = generator
     rwc = lambda n, d: random_well_conditioned(n, d, log_scale=log_scale, generator=g)  # noqa: E731
-    if kind not in INVALID_KINDS:
-        raise GaugeError(f"apply_invalid: kind={kind!r} is not one of {INVALID_KINDS}")
+    if kind not in ALL_INVALID_KINDS:
+        raise GaugeError(f"apply_invalid: kind={kind!r} is not one of {ALL_INVALID_KINDS}")
     try:
         _invalid_sites([site], kind)
     except GaugeError:
@@ -612,7 +662,28 @@ def apply_invalid(site: AttentionSite, kind: str, generator: torch.Generator | N
     elif kind == "vo_mismatch":
         act_vo(site, rwc(site.h_kv, site.d_v), D=rwc(site.h_kv, site.d_v))
     elif kind == "gl_under_rope":
-        act_qk(site, rwc(site.h_kv, site.d_k), check=False)
+        if site.rope.active:
+            act_qk(site, rwc(site.h_kv, site.d_k), check=False)
+        if site.latent is not None:  # the RoPE part of latent attention
+            act_qk_rope(site, rwc(1, site.latent.r), check=False)
+    elif kind == "rope_per_head":
+        lat = site.latent
+        B = random_commutant(lat.rope, lat.r, site.h, log_scale=log_scale, generator=g)
+        act_qk_rope(site, B[:1], per_head=B)
+    elif kind == "perm_without_rope":
+        lat = site.latent
+        kept = [(ref, ref.get().detach().clone()) for ref in (lat.q_rope, lat.q_rope_bias) if ref is not None]
+        kv = torch.arange(site.h_kv).roll(1)
+        permute_heads(site, kv, (kv[:, None] * site.n_rep + torch.arange(site.n_rep)).reshape(-1))
+        with torch.no_grad():
+            for ref, saved in kept:
+                ref.get().copy_(saved)
+    elif kind == "latent_gl":
+        for lat in site.latent.latents():
+            rotate_latent(site, lat.name, rwc(1, lat.width)[0], check=False)
+    elif kind == "latent_gain_alone":
+        for lat in site.latent.latents():
+            scale_latent_gain(site, lat.name, _log_uniform((lat.width,), log_scale, g, torch.float64), move_columns=False)
     elif kind == "cross_head":
         _mix_heads(site, rwc(1, site.h_kv * site.d_k)[0])
     elif kind == "qk_under_norm":  # in the commutant by construction; not orthogonal (check=False lets it through)

@@ -13,19 +13,23 @@ heads it has and how RoPE pairs its coordinates. :func:`certify` checks the clai
 3. for every sector the record claims — ``qk`` (``GL(d_k)`` per KV group, in the RoPE
    commutant; with a QK-norm ``qk_gain``, the gain gauge of the norm), ``vo`` (``GL(d_v)``),
    ``perm`` (head permutations), the bias sectors ``key_bias`` and ``value_bias`` where the
-   record has the biases (:mod:`gaugeopt.structure.bias`), and with learnable
-   multipliers ``lrm_qk``, ``lrm_vo``, ``lrm_internal`` — apply a random valid element to a
+   record has the biases (:mod:`gaugeopt.structure.bias`), with learnable
+   multipliers ``lrm_qk``, ``lrm_vo``, ``lrm_internal``, and on multi-head latent attention
+   ``qk_rope``, ``latent_rotation``, ``latent_gain`` (docs/mla.md) — apply a random valid element to a
    fresh copy and require ``‖y' − y‖ / ‖y‖ ≤ 1e-10``;
 4. per sector, apply a *negative control* (an invalid element: a general ``GL(d_k)`` under RoPE
    or an asymmetric Q/K pair, the plain Q/K gauge under a QK-norm, a mismatched V/O pair, query
-   heads permuted alone, a one-sided multiplier scale, a key shift on RoPE-rotated channels or one
-   that varies with the key, a value bias moved without the output bias) and require a change
-   ``≥ 1e-3``, so that the check has power.
+   heads permuted alone — under latent attention every head but its RoPE query rows —, a one-sided
+   multiplier scale, a key shift on RoPE-rotated channels or one that varies with the key, a value
+   bias moved without the output bias, a general ``GL`` on the shared RoPE key or on a latent, a
+   latent gain moved alone) and require a change ``≥ 1e-3``, so that the check has power.
 
 A layer whose module computes part of the attention in float32 even in float64 (recorded in
 :attr:`~gaugeopt.AttentionSite.float32_steps`, e.g. torchtitan's RoPE, GPT-J's eager scores)
 gets ``1e-6`` instead of ``1e-10`` in the sectors that change queries, keys, scores or values
-through the softmax (``qk``, ``qk_gain``, ``lrm_qk``, ``perm``, ``key_bias``, ``value_bias``); the controls still need ``1e-3``. One layer is copied at a
+through the softmax (``qk``, ``qk_gain``, ``lrm_qk``, ``perm``, ``key_bias``, ``value_bias``; on multi-head
+latent attention also ``qk_rope``, ``latent_rotation``, ``latent_gain``, which its implementations' float32
+latent norms and rotations see); the controls still need ``1e-3``. One layer is copied at a
 time, so the cost is one float64 attention layer, whatever the model's size.
 
 A wrong record fails: a wrong head count or GQA map, a forgotten partial rotary or a missing
@@ -82,6 +86,9 @@ CONTROL_MIN = 1e-3
 # float32 step in q·kᵀ, RoPE, a Q/K norm (whose mean over all heads' channels a head permutation reorders) or the
 # softmax (whose rows then sum to one only to float32 rounding) can see.
 _QK_SECTORS = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias", "value_bias")
+# Multi-head latent attention (docs/mla.md): every sector either rotates the shared RoPE key or sits behind a latent
+# RMSNorm, which its implementations compute in float32 even in a float64 model.
+_LATENT_FLOAT32_SECTORS = ("qk_rope", "latent_rotation", "latent_gain")
 # How closely a float64 rerun must reproduce the module's output in the model's own forward, by dtype.
 _RERUN_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -316,8 +323,17 @@ def _rebind(site: AttentionSite, module: nn.Module) -> AttentionSite:
     if norm is not None:
         norm = dataclasses.replace(norm, q_gain=ref_on(norm.q_gain), k_gain=ref_on(norm.k_gain),
                                    q_bias=ref_on(norm.q_bias), k_bias=ref_on(norm.k_bias))
+    lat = site.latent
+    if lat is not None:
+        def latent_on(x):
+            return None if x is None else dataclasses.replace(
+                x, down=ref_on(x.down), down_bias=ref_on(x.down_bias), gain=ref_on(x.gain), up=ref_on(x.up))
+
+        lat = dataclasses.replace(lat, q_rope=ref_on(lat.q_rope), q_rope_bias=ref_on(lat.q_rope_bias),
+                                  k_rope=ref_on(lat.k_rope), k_rope_bias=ref_on(lat.k_rope_bias),
+                                  kv_latent=latent_on(lat.kv_latent), q_latent=latent_on(lat.q_latent))
     return dataclasses.replace(site, module=module, q=proj_on(site.q), k=proj_on(site.k), v=proj_on(site.v),
-                               o=proj_on(site.o), qk_norm=norm, sinks=ref_on(site.sinks))
+                               o=proj_on(site.o), qk_norm=norm, sinks=ref_on(site.sinks), latent=lat)
 
 
 def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
@@ -331,9 +347,12 @@ def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
 def claimed_sectors(site: AttentionSite) -> list[str]:
     """The sectors a record claims: ``qk`` — or ``qk_gain``, the norm's gain gauge, with a QK-norm —,
     ``vo``, ``perm`` (more than one head, and no per-head score term), the bias sectors its biases
-    give it (:attr:`~gaugeopt.AttentionSite.bias_kinds`), and the multiplier sectors its learnable
-    multipliers give it."""
+    give it (:attr:`~gaugeopt.AttentionSite.bias_kinds`), the multiplier sectors its learnable
+    multipliers give it, and on multi-head latent attention ``qk_rope``, ``latent_rotation`` and
+    ``latent_gain`` (docs/mla.md)."""
     out = ["qk" if site.qk_norm is None else "qk_gain", "vo"]
+    if site.latent is not None:
+        out += ["qk_rope", "latent_rotation", "latent_gain"]
     if site.h > 1 and not site.fixed_head_order:
         out.append("perm")
     out += list(site.bias_kinds)
@@ -382,6 +401,18 @@ def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
     if sector == "perm" and site.sinks is not None:  # every head moved but its sink logit
         apply_invalid(site, "sinks_unmoved", g)
         return "sinks_unmoved"
+    if sector == "perm" and site.latent is not None:  # every head moved but its RoPE query rows
+        apply_invalid(site, "perm_without_rope", g)
+        return "perm_without_rope"
+    if sector == "qk_rope":  # a general GL(r) on the RoPE part, with its true inverse on the shared key
+        apply_invalid(site, "gl_under_rope", g)
+        return "gl_under_rope"
+    if sector == "latent_rotation":
+        apply_invalid(site, "latent_gl", g)
+        return "latent_gl"
+    if sector == "latent_gain":
+        apply_invalid(site, "latent_gain_alone", g)
+        return "latent_gain_alone"
     if sector == "perm":  # query heads moved, their keys, values and output columns not
         perm = torch.arange(site.h).roll(1)
         for role, ref in site.q.refs():
@@ -492,7 +523,8 @@ def certify_site(site: AttentionSite, call: Call, *, seed: int = 0) -> LayerCert
     randomize_parameters(base, g)
     y = _run(base, args, kwargs)
     for sector in claimed_sectors(site):
-        tol = FLOAT32_TOL if site.float32_steps and sector in _QK_SECTORS else VALID_TOL
+        loose = sector in _QK_SECTORS or (site.latent is not None and sector in _LATENT_FLOAT32_SECTORS)
+        tol = FLOAT32_TOL if site.float32_steps and loose else VALID_TOL
         moved = copy.deepcopy(base)
         _valid(_rebind(site, moved), sector, g)
         valid = relative_change(y, _run(moved, args, kwargs))

@@ -59,8 +59,12 @@ def fingerprint(site: AttentionSite) -> tuple:
     )
     n = site.qk_norm
     norm = None if n is None else (n.kind, n.scope, n.gain_offset, n.before_rope, float(n.eps))
-    return (site.h, site.h_kv, site.d_k, site.d_v, site.d_model, site.rope.kind, site.rope.rotary_dim, norm,
-            site.float32_steps, site.fixed_head_order, site.qk_orthogonal, site.kind, refs)
+    key = (site.h, site.h_kv, site.d_k, site.d_v, site.d_model, site.rope.kind, site.rope.rotary_dim, norm,
+           site.float32_steps, site.fixed_head_order, site.qk_orthogonal, site.kind, refs)
+    lat = site.latent
+    if lat is not None:  # multi-head latent attention: its RoPE layout and latent norms (the refs are above)
+        key += ((lat.rope.kind, lat.rope.rotary_dim, tuple((x.name, float(x.eps), x.gain_offset) for x in lat.latents())),)
+    return key
 
 
 def behaviour_key(site: AttentionSite) -> tuple:

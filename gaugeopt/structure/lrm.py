@@ -140,6 +140,15 @@ def _fused_layouts(model: nn.Module, sites) -> dict[int, tuple[int, ...] | str]:
     the module cannot carry per-projection multipliers (its Q/K/V rows interleave per head)."""
     layouts: dict[int, tuple[int, ...] | str] = {}
     for s in sites:
+        if s.latent is not None:  # multi-head latent attention (docs/mla.md)
+            for _, ref in s.refs():
+                if isinstance(ref.owner, nn.Linear):
+                    layouts[id(ref.owner)] = (
+                        f"{ref.name.rpartition('.')[0]} is a projection of multi-head latent attention ({s.kind}); gaugeopt "
+                        "does not support learnable multipliers there (its up-projections interleave each head's rows, and "
+                        "their column multipliers would duplicate the latent norms' gains)"
+                    )
+            continue
         q_owner = s.q.weight.owner
         if s.k.weight.owner is q_owner and s.q.weight.groups is not None:
             layouts[id(q_owner)] = (

@@ -29,6 +29,12 @@ the whole layer); per-head gains give ``groups = h_kv`` (a factor tied across th
 group, which share the key gain). A gain stored with an offset (Gemma: the gain is ``1 + w``) is
 scaled as ``w ← (1 + w)·d − 1``; :attr:`Member.offset` carries the ``1``.
 
+**Multi-head latent attention** (:mod:`gaugeopt.structure.latent`, docs/mla.md). Its part without RoPE is
+the ``"qk"`` pair above; its RoPE part is the pair ``"qk_rope"``: side ``a`` the RoPE query rows of
+every head (``W_qb[i][n:]``, with their bias), side ``b`` the one key all heads share (the last ``r``
+rows of the key–value down-projection and their bias) — a multi-query pair, ``groups = 1``, side ``a``
+repeating ``h`` times, acted on by the RoPE commutant of the shared key.
+
 This module is the one place that says which tensor is on which side. GaugeFix and its drift
 metrics, optimizer-state transport, every projection sector, the kernels and canonical forms read
 it through :meth:`gaugeopt.AttentionSite.pair`.
@@ -65,7 +71,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["PAIRS", "Member", "PairSide", "GaugePair", "query_rows"]
 
-PAIRS = ("qk", "vo", "qk_gain")
+PAIRS = ("qk", "vo", "qk_gain", "qk_rope")
 SIDE_KINDS = ("rows", "gain")
 
 
@@ -193,10 +199,10 @@ def query_rows(site: "AttentionSite") -> PairSide:
 
 @dataclass(frozen=True)
 class GaugePair:
-    """The ``qk``, ``vo`` or ``qk_gain`` pair of one attention site (see the module docstring).
+    """The ``qk``, ``vo``, ``qk_gain`` or ``qk_rope`` pair of one attention site (see the module docstring).
 
     Attributes:
-        kind: ``"qk"``, ``"vo"`` or ``"qk_gain"``.
+        kind: ``"qk"``, ``"vo"``, ``"qk_gain"`` or ``"qk_rope"``.
         site: the :class:`~gaugeopt.AttentionSite`.
         a, b: the sides (Q and K, V and O, or the query and key gains).
         width: channels per head (``d_k`` or ``d_v``).
@@ -247,6 +253,19 @@ class GaugePair:
             )
         if kind == "qk_gain":
             return GaugePair._gain_pair(site)
+        if kind == "qk_rope":
+            lat = site.latent
+            if lat is None:
+                raise GaugeError(
+                    f"{site.name} is not multi-head latent attention, so it has no 'qk_rope' pair (a RoPE key shared "
+                    "by all heads); its Q/K gauge is the pair site.qk_kind names"
+                )
+            return GaugePair(
+                "qk_rope", site,
+                PairSide("q", lat.q_rope, lat.q_rope_bias, None, site.h, site.h, False),
+                PairSide("k", lat.k_rope, lat.k_rope_bias, None, 1, 1, False),
+                lat.r, lat.rope, 1,
+            )
         if kind == "qk":
             k = site.k
             return GaugePair(

@@ -32,8 +32,8 @@ import torch
 
 from gaugeopt.errors import GaugeError
 
-__all__ = ["RopeSpec", "NO_ROPE", "commutant_basis", "orthogonal_commutant_basis", "plane_index", "random_commutant",
-           "random_orthogonal_commutant"]
+__all__ = ["RopeSpec", "NO_ROPE", "commutant_basis", "commutator_size", "orthogonal_commutant_basis", "plane_index",
+           "random_commutant", "random_orthogonal_commutant"]
 
 _KINDS = ("none", "interleaved", "split_half")
 
@@ -172,6 +172,15 @@ def random_orthogonal_commutant(rope: RopeSpec, d_k: int, n: int, *, generator=N
         return torch.eye(d_k, dtype=dtype).expand(n, d_k, d_k).clone()
     coef = torch.randn(n, basis.shape[0], generator=generator, dtype=dtype)
     return torch.linalg.matrix_exp(torch.einsum("nk,kab->nab", coef, basis))
+def commutator_size(rope: RopeSpec, d_k: int, A: torch.Tensor) -> float:
+    """``max |A·J − J·A| / max |A|`` over the plane generators ``J`` of ``rope`` and the matrices ``A
+    (..., d_k, d_k)`` (real or complex): zero exactly when every ``A`` commutes with the rotations."""
+    if not rope.active:
+        return 0.0
+    A = A.detach()
+    J = commutant_basis(rope, d_k, dtype=torch.float64)[1 : rope.rotary_dim : 2].to(A.device, A.dtype)
+    comm = A[..., None, :, :] @ J - J @ A[..., None, :, :]
+    return float(comm.abs().amax() / A.abs().amax().clamp_min(1e-300))
 
 
 def random_commutant(

@@ -60,6 +60,7 @@ from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from gaugeopt.structure.bias import BiasSector
+    from gaugeopt.structure.latent import LatentAttention
 
 __all__ = ["TensorRef", "Projection", "QKNorm", "AttentionSite"]
 
@@ -235,6 +236,9 @@ class AttentionSite:
             the test suite verifies for this class (whose code must then be the library's own,
             :mod:`gaugeopt.structure.stock`). Every record — verified or not — is proved on the model
             by the certificate before a gauge operation uses it (:mod:`gaugeopt.structure.gate`).
+        latent: multi-head latent attention (DeepSeek-V2/V3, :mod:`gaugeopt.structure.latent`): the record's
+            ``q``/``k``/``v``/``o`` and ``rope`` describe the part without RoPE (``d_k`` is its width), and
+            this holds the RoPE part, whose key all heads share, and the latent spaces; ``None`` otherwise.
     """
 
     name: str
@@ -258,6 +262,7 @@ class AttentionSite:
     sinks: TensorRef | None = None
     qk_orthogonal: str = ""
     verified: bool = False
+    latent: "LatentAttention | None" = None
     # Set by find_attention: the model the record was found in (a weak reference). Set by adapters:
     # what their forward reads besides code and tensors (a kernel registry entry, a config value), as
     # gaugeopt.structure.stock.Binding objects the gate re-checks (gaugeopt.structure.static_checks).
@@ -299,6 +304,12 @@ class AttentionSite:
         if self.sinks is not None and tuple(self.sinks.shape) != (self.h,):
             raise GaugeError(f"{self.name}: sinks ({self.sinks.name}) has canonical shape {self.sinks.shape}, "
                              f"expected ({self.h},): one sink logit per query head")
+        if self.latent is not None:
+            from gaugeopt.structure.latent import check_latent
+
+            if self.qk_norm is not None:
+                raise GaugeError(f"{self.name}: a record with both a QK-norm and latent attention is not supported")
+            check_latent(self)
 
     def _check_qk_norm(self, n: QKNorm) -> None:
         """Gains and biases are ``(1, d_k)`` (shared by every head) or per head: ``(h, d_k)`` on the
@@ -329,9 +340,10 @@ class AttentionSite:
         return i // self.n_rep
 
     def pair(self, kind: str) -> "GaugePair":
-        """The ``"qk"``, ``"vo"`` or ``"qk_gain"`` :class:`~gaugeopt.structure.pair.GaugePair` of this
-        site: its two sides, their members, the GQA repeat and the multiplier on each side's channel
-        axis. A QK-norm site has ``"qk_gain"`` and refuses ``"qk"``; :attr:`qk_kind` says which."""
+        """The ``"qk"``, ``"vo"``, ``"qk_gain"`` or ``"qk_rope"`` :class:`~gaugeopt.structure.pair.GaugePair` of
+        this site: its two sides, their members, the GQA repeat and the multiplier on each side's channel
+        axis. A QK-norm site has ``"qk_gain"`` and refuses ``"qk"``; :attr:`qk_kind` says which; a latent
+        attention site has ``"qk_rope"`` too (:attr:`qk_kinds`)."""
         return GaugePair.of(self, kind)
 
     def bias_sector(self, kind: str) -> "BiasSector":
@@ -356,6 +368,12 @@ class AttentionSite:
         return "qk" if self.qk_norm is None else "qk_gain"
 
     @property
+    def qk_kinds(self) -> tuple[str, ...]:
+        """Every pair that carries part of this site's Q/K gauge: :attr:`qk_kind`, and ``"qk_rope"`` (the
+        RoPE part, whose key all heads share) on a multi-head latent attention site."""
+        return (self.qk_kind, "qk_rope") if self.latent is not None else (self.qk_kind,)
+
+    @property
     def has_multipliers(self) -> bool:
         """True when Q and K carry LRM row multipliers (the GaugeFix-LRM setting)."""
         return self.q.row_mult is not None and self.k.row_mult is not None
@@ -366,8 +384,10 @@ class AttentionSite:
 
     def refs(self) -> Iterator[tuple[str, TensorRef]]:
         """All ``(\"q.weight\", ref)``-style entries of this site, then the QK-norm's gains and
-        biases (``\"q.gain\"``, ``\"k.gain\"``, ``\"q.norm_bias\"``, ``\"k.norm_bias\"``) and the
-        attention sinks (``\"sinks\"``)."""
+        biases (``\"q.gain\"``, ``\"k.gain\"``, ``\"q.norm_bias\"``, ``\"k.norm_bias\"``), the attention
+        sinks (``\"sinks\"``), then a latent attention's RoPE rows and latents (``\"q_rope.weight\"``,
+        ``\"kv_latent.up\"``, ...; the up-projections are whole tensors that the ``q``/``k``/``v`` entries
+        view in part)."""
         for p, proj in self.projections():
             for role, ref in proj.refs():
                 yield f"{p}.{role}", ref
@@ -375,6 +395,8 @@ class AttentionSite:
             yield from self.qk_norm.refs()
         if self.sinks is not None:
             yield "sinks", self.sinks
+        if self.latent is not None:
+            yield from self.latent.refs()
 
     def per_query(self, x: torch.Tensor) -> torch.Tensor:
         """Expand a per-KV-group tensor ``(h_kv, ...)`` to one entry per query head ``(h, ...)``."""
@@ -452,7 +474,10 @@ class AttentionSite:
         norm = "" if self.qk_norm is None else f", qk_norm={self.qk_norm.kind}:{self.qk_norm.scope}"
         norm += "" if self.sinks is None else ", sinks"
         norm += ", qk=orthogonal" if self.qk_orthogonal else ""
+        lat = self.latent
+        mla = "" if lat is None else (
+            f", latent(rope={lat.rope.kind}:{lat.r}, " + ", ".join(f"L_{x.name}={x.width}" for x in lat.latents()) + ")")
         return (
             f"AttentionSite({self.name!r}, kind={self.kind}, h={self.h}, h_kv={self.h_kv}, "
-            f"d_k={self.d_k}, d_v={self.d_v}, d_model={self.d_model}{extra}{lrm}{norm})"
+            f"d_k={self.d_k}, d_v={self.d_v}, d_model={self.d_model}{extra}{lrm}{norm}{mla})"
         )

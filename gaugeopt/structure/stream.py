@@ -25,8 +25,10 @@ Every linear is read and written through :class:`StreamLinear`, in effective ter
 
 :func:`find_stream` builds the record for the models whose forward it knows: gaugeopt's
 :class:`~gaugeopt.models.gpt.GPT`, Hugging Face ``GPT2LMHeadModel`` and the Llama family
-(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``) and gpt-oss (``GptOssForCausalLM``:
-a top-k router and stacked experts, activation ``"moe_clamped_swiglu"``). Anything else is refused
+(``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``), gpt-oss (``GptOssForCausalLM``:
+a top-k router and stacked experts, activation ``"moe_clamped_swiglu"``) and dense DeepSeek-V2/V3
+(multi-head latent attention, whose down-projections are the readers of ``norm1``; docs/mla.md).
+Anything else is refused
 with a :class:`~gaugeopt.errors.GaugeError`: a stream sector derived for one block layout (pre-norm,
 a norm read only by linear layers) is not a symmetry of another. :class:`StreamShape` is the part a
 count needs, from a model (:meth:`ResidualStream.shape`) or from a config (without weights,
@@ -187,6 +189,10 @@ class StreamBlock:
 
     def attention_readers(self) -> list[StreamLinear]:
         s = self.attention
+        if s.latent is not None:  # multi-head latent attention reads the stream through its down-projections
+            lat = s.latent
+            q = lat.q_latent.down if lat.q_latent is not None else s.q.weight
+            return [_whole_linear(ref.owner, ref.name.rsplit(".", 1)[0]) for ref in (q, lat.k_rope)]
         base = s.q.weight.name.rsplit(".", 1)[0]
         same = s.k.weight.owner is s.q.weight.owner
         return [StreamLinear(f"{base}[{p}]" if same else getattr(s, p).weight.name.rsplit(".", 1)[0], getattr(s, p))
@@ -284,6 +290,11 @@ def _linear(root: nn.Module, name: str) -> StreamLinear:
     return StreamLinear(name, projection_refs(m, name, rows=None, split=0, canon="in", heads=1, width=out, d_model=inp))
 
 
+def _whole_linear(m: nn.Module, name: str) -> StreamLinear:
+    _, out, inp = linear_like(m)
+    return StreamLinear(name, projection_refs(m, name, rows=None, split=0, canon="in", heads=1, width=out, d_model=inp))
+
+
 def _norm(root: nn.Module, name: str) -> StreamNorm:
     m = root.get_submodule(name)
     if type(m) is nn.LayerNorm:
@@ -301,8 +312,9 @@ def _norm(root: nn.Module, name: str) -> StreamNorm:
                      "(nn.LayerNorm, gaugeopt's RMSNorm, LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)")
 
 
-_HF_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "GptOssRMSNorm")
+_HF_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "GptOssRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm")
 _HF_LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_HF_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 
 def _embedding(root: nn.Module, name: str) -> TensorRef:
@@ -369,11 +381,20 @@ def find_stream(model: nn.Module) -> ResidualStream:
         return ResidualStream("hf_gpt2", model, "layernorm", act, tok, _embedding(model, "transformer.wpe"), sb,
                               _norm(model, "transformer.ln_f"), _head(model, "lm_head", tok), d, cfg.n_inner or 4 * d,
                               cfg.vocab_size)
-    if cls in _HF_LLAMA_LIKE:
+    if cls in _HF_LLAMA_LIKE or cls in _HF_DEEPSEEK:
         cfg = model.config
         if cfg.hidden_act != "silu":
             raise GaugeError(f"find_stream: {cls} with hidden_act={cfg.hidden_act!r}; the stream sectors know SwiGLU (silu)")
         blocks = list(model.model.layers)
+        if cls in _HF_DEEPSEEK:
+            routed = [i for i, b in enumerate(blocks) if not type(b.mlp).__name__.endswith("MLP")]
+            if routed:
+                raise GaugeError(
+                    f"find_stream: {cls} layers {routed} route tokens to experts ({type(blocks[routed[0]].mlp).__name__}); "
+                    "gaugeopt derives the stream sectors for dense SwiGLU layers only (the router, its scores and the "
+                    "experts' own rescalings are not derived). Count a dense configuration (first_k_dense_replace >= "
+                    "num_hidden_layers), or use convention='wang' for the attention gauges alone"
+                )
         atts = _check_sites(sites, blocks, "self_attn", cls)
         p = "model.layers"
         sb = [StreamBlock(a, _norm(model, f"{p}.{i}.input_layernorm"), _norm(model, f"{p}.{i}.post_attention_layernorm"),
@@ -391,7 +412,8 @@ def find_stream(model: nn.Module) -> ResidualStream:
     raise GaugeError(
         f"find_stream: no residual-stream description for {type(model).__qualname__}; the sectors beyond attention "
         "(norm gains, LayerNorm families, residual rotations, MLP rescales) are derived for gaugeopt's GPT, Hugging Face "
-        "GPT2LMHeadModel, LlamaForCausalLM/MistralForCausalLM/Qwen2ForCausalLM and GptOssForCausalLM"
+        "GPT2LMHeadModel, LlamaForCausalLM/MistralForCausalLM/Qwen2ForCausalLM, GptOssForCausalLM and dense "
+        "DeepseekV2/V3ForCausalLM"
     )
 
 

@@ -8,7 +8,10 @@ model instance. :func:`symmetry_families` lists them all:
   ``qk_gain`` (QK-norm gains, ``d = exp(t)`` per slot; with a per-head norm and ``eps = 0`` also
   ``qk_head_scale``, each head's rows scaled), ``key_bias`` and ``value_bias``
   (:mod:`gaugeopt.structure.bias`), with multipliers ``lrm_qk``, ``lrm_vo`` (``exp(t)`` per slot or
-  channel) and, per :class:`~gaugeopt.structure.lrm.LRMLinear`, ``lrm_internal``;
+  channel) and, per :class:`~gaugeopt.structure.lrm.LRMLinear`, ``lrm_internal``; on multi-head latent
+  attention (:mod:`gaugeopt.structure.latent`) ``qk_rope`` (``B = exp(Σ t_k E_k)`` over the shared key's
+  RoPE commutant), ``latent_rotation`` (``M = exp(S)``, ``S`` antisymmetric, per latent) and
+  ``latent_gain`` (``e = exp(t)`` per latent channel);
 * the stream sectors (:mod:`gaugeopt.structure.stream_sectors`) when :func:`gaugeopt.structure.stream.find_stream`
   knows the model;
 * for the record, families that are *not* symmetries but look like one: ``key_bias_rope`` (the
@@ -52,6 +55,7 @@ from gaugeopt.structure.actions import (
     shift_key_bias,
     trade_value_bias,
 )
+from gaugeopt.structure.latent import LATENT_SECTORS, act_qk_rope, rotate_latent, scale_latent_gain
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.rope import commutant_basis, orthogonal_commutant_basis, plane_index
@@ -59,7 +63,8 @@ from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["ATTENTION_SECTORS", "Family", "attention_families", "symmetry_families"]
 
-ATTENTION_SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias")
+ATTENTION_SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias",
+                     *LATENT_SECTORS)
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,8 @@ def attention_families(site: AttentionSite) -> list[Family]:
         act_vo(site, torch.linalg.matrix_exp(t.reshape(g, dv, dv)))
 
     out.append(Family("vo", u, g * dv * dv, vo, True, "W_O v unchanged by Cᵀ, C⁻ᵀ"))
+    if site.latent is not None:
+        out += _latent_families(site)
     if site.qk_norm is None and not site.qk_orthogonal and site.has_multipliers:
         pid, n = _slots(site.rope, dk)
 
@@ -165,6 +172,34 @@ def attention_families(site: AttentionSite) -> list[Family]:
 
         out.append(Family("key_bias_rope", u, g * len(rotated), key_bias_rope, False,
                           "RoPE rotates δ by the key's position: q_iᵀR δ varies over keys"))
+    return out
+
+
+def _latent_families(site: AttentionSite) -> list[Family]:
+    """``qk_rope``, ``latent_rotation`` and ``latent_gain`` of a multi-head latent attention site."""
+    lat, u = site.latent, site.name
+    basis = commutant_basis(lat.rope, lat.r)
+
+    def qk_rope(t, basis=basis):
+        act_qk_rope(site, torch.linalg.matrix_exp(torch.einsum("k,kab->ab", t, basis.to(t.dtype)))[None])
+
+    out = [Family("qk_rope", u, basis.shape[0], qk_rope, True,
+                  "q_i^rope·k_pe unchanged by Bᵀ on every head, B⁻¹ on the shared key (B in its RoPE commutant)")]
+    for x in lat.latents():
+        L = x.width
+        iu = torch.triu_indices(L, L, 1)
+
+        def rotation(t, name=x.name, L=L, iu=iu):
+            S = torch.zeros(L, L, dtype=t.dtype)
+            S[iu[0], iu[1]] = t
+            rotate_latent(site, name, torch.linalg.matrix_exp(S - S.mT))
+
+        def gain(t, name=x.name):
+            scale_latent_gain(site, name, torch.exp(t))
+
+        out.append(Family("latent_rotation", f"{u}:{x.name}", L * (L - 1) // 2, rotation, True,
+                          "an RMSNorm commutes with rotations of its latent: W_down ← M W_down, W_up ← W_up D Mᵀ D⁻¹"))
+        out.append(Family("latent_gain", f"{u}:{x.name}", L, gain, True, "the up-projection sees W_up diag(γ)"))
     return out
 
 

@@ -69,6 +69,15 @@ section and the head order are as above, and per-head gains move with their head
 QK-norm (timm) is refused: its further invisible directions (the key bias, a query-bias shift,
 each head's mean direction, a centred rotation) have no section here, so a form would not be unique.
 
+**Multi-head latent attention** (docs/mla.md). Each latent is moved first, by criteria the head gauges
+cannot change (they act on the other side of the up-projections): its gain to ``γ = 1`` (the
+diagonal gain gauge; a zero gain entry is refused), then, with ``residual="fix"``, its rotation so
+that ``A Aᵀ`` is diagonal with descending diagonal for the down-projection rows ``A = [W_down | b_down]``,
+each row signed by the cubic rule. The part without RoPE then gets the Q/K and V/O sections above
+(per head, no RoPE), and the RoPE part the plane section above on the stacked RoPE query rows of all
+heads against the one shared key. The head order adds the RoPE circuit energy ``‖W_Q^rope[i]ᵀW_K^rope‖²``
+to the QK key, and heads move with their RoPE query rows.
+
 **Learnable multipliers.** The gauge acts on the effective weights ``diag(r)·W̄·diag(c)``.
 With ``fold_multipliers=True`` (default) every :class:`~gaugeopt.structure.lrm.LRMLinear` is first
 folded (``W̄ ← diag(r)W̄diag(c)``, ``b̄ ← r⊙b̄``, ``r = c = 1``), which also removes the
@@ -100,6 +109,7 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.structure.actions import act_qk, act_vo, permute_heads, scale_qk_gains, shift_key_bias, trade_value_bias
+from gaugeopt.structure.latent import act_qk_rope, rotate_latent, scale_latent_gain
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.drift import read_mean_squares, slot_rms
 from gaugeopt.structure.lrm import LRMLinear
@@ -112,7 +122,7 @@ from gaugeopt.structure.registry import find_attention
 __all__ = [
     "SECTIONS", "RESIDUALS", "GaugeMetrics", "CanonicalReport", "canonicalize", "canonical_metrics",
     "section_residual", "fold_lrm_multipliers", "effective_tensors", "head_energies", "fold_bias_tensors",
-    "fold_biases", "BIAS_MODES",
+    "fold_biases", "BIAS_MODES", "refuse_latent",
 ]
 
 SECTIONS = ("qr", "balanced")
@@ -311,6 +321,18 @@ def refuse_layer_norm(site: AttentionSite, what: str) -> None:
         )
 
 
+def refuse_latent(sites, what: str) -> None:
+    """Refuse multi-head latent attention in a tool that does not quotient its RoPE part and latents."""
+    for site in sites:
+        if site.latent is not None:
+            raise GaugeError(
+                f"{what}: {site.name} is multi-head latent attention ({site.kind}); this tool compares and aligns the "
+                "head circuits of plain attention and would ignore the RoPE key its heads share and the rotations and "
+                "gains of its latent spaces, so its verdict would not be sound. canonicalize supports it: compare "
+                "canonical forms (docs/mla.md)"
+            )
+
+
 def gain_scales(site: AttentionSite) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(s_q, s_k, slot)`` of a QK-norm site: RMS of the gains (``gain + offset``) per group and
     slot (``(groups, n_slots)``, float64) and the slot of each channel."""
@@ -344,6 +366,48 @@ def _gain_section(site: AttentionSite, section: str, residual: str, margins: dic
         margins["sign_margin"] = min(margins["sign_margin"], float((cube.abs() / norm.clamp_min(tiny)).min()))
         d = d * sign
     scale_qk_gains(site, d[:, slot])
+
+
+# ---------------------------------------------------------------------- latent attention: latents and the RoPE part
+def _latent_rows(lat) -> torch.Tensor:
+    """``A = [W_down | b_down]`` of a latent, ``(L, d [+1])``, float64."""
+    w = lat.down.get().detach().double()
+    return w if lat.down_bias is None else torch.cat([w, lat.down_bias.get().detach().double()[:, None]], 1)
+
+
+def _latent_section(site: AttentionSite, residual: str, margins: dict) -> None:
+    """Move each latent of ``site`` to ``γ = 1`` and (``residual="fix"``) ``A Aᵀ`` diagonal, descending, signed."""
+    for lat in site.latent.latents():
+        g = lat.effective_gain().double()
+        if bool((g == 0).any()):
+            raise GaugeError(f"{site.name}: the {lat.name} latent's RMSNorm gain has an exact zero; that channel is dead "
+                             "and the gain section (γ = 1) cannot reach it")
+        scale_latent_gain(site, lat.name, 1.0 / g)
+        if residual != "fix":
+            continue
+        A = _latent_rows(lat)
+        ev, U = torch.linalg.eigh(A @ A.mT)
+        ev, U = ev.flip(-1), U.flip(-1)
+        sign, margin = _sign_of_cubes(U.mT @ A)
+        margins["spectral_gap"] = min(margins["spectral_gap"], float(_gaps(ev.clamp_min(0)[None]).min()))
+        margins["sign_margin"] = min(margins["sign_margin"], float(margin.min()))
+        rotate_latent(site, lat.name, U.mT * sign[:, None])
+
+
+def _rope_factor(site: AttentionSite, section: str, residual: str, margins: dict) -> torch.Tensor:
+    """``B (1, r, r)``: the plane section of the RoPE part (all heads' RoPE rows against the shared key)."""
+    pair = site.pair("qk_rope")
+    qr, kr = _rope_rows(site)
+    S, K = pair.a.stack(qr), kr
+    planes = pair.rope.planes(pair.width)
+    a, b = _plane_qk_factor(S, K, planes, section, residual, f"{site.name}: RoPE part", margins)
+    p, q = (list(c) for c in zip(*planes))
+    B = torch.zeros(1, pair.width, pair.width, dtype=torch.float64)
+    B[:, p, p] = a
+    B[:, q, q] = a
+    B[:, q, p] = b
+    B[:, p, q] = -b
+    return B
 
 
 def _vo_factor(site, t, residual, rtol, margins) -> torch.Tensor:
@@ -390,7 +454,17 @@ def head_energies(site: AttentionSite, t: dict | None = None) -> tuple[torch.Ten
     gk = expand(t["wk"] @ t["wk"].mT)
     go = t["wo"].mT @ t["wo"]
     gv = expand(t["wv"] @ t["wv"].mT)
-    return (gq * gk).sum((-1, -2)), (go * gv).sum((-1, -2))
+    e_qk = (gq * gk).sum((-1, -2))
+    if site.latent is not None:  # the RoPE circuit of each head against the shared key
+        qr, kr = _rope_rows(site)
+        e_qk = e_qk + ((qr @ qr.mT) * (kr @ kr.mT)).sum((-1, -2))
+    return e_qk, (go * gv).sum((-1, -2))
+
+
+def _rope_rows(site: AttentionSite) -> tuple[torch.Tensor, torch.Tensor]:
+    """A latent attention site's RoPE query rows ``(h, r, m_q)`` and shared key rows ``(1, r, d)``, float64 copies."""
+    lat = site.latent
+    return lat.q_rope.get().detach().double(), lat.k_rope.get().detach().double()
 
 
 def _head_order(site: AttentionSite, margins: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,6 +472,8 @@ def _head_order(site: AttentionSite, margins: dict) -> tuple[torch.Tensor, torch
     n, g = site.n_rep, site.h_kv
     e_qk, e_ov = head_energies(site, t)
     q_blocks = torch.cat([_with(t["wq"], t["wq"]), _with(t["bq"], t["wq"]), _with(t["wo"], t["wo"])], 1)
+    if site.latent is not None:
+        q_blocks = torch.cat([q_blocks, _with(_rope_rows(site)[0], t["wq"])], 1)
     within = []
     for j in range(g):
         idx = list(range(j * n, (j + 1) * n))
@@ -469,7 +545,8 @@ def section_residual(model: nn.Module, section: str = "qr", residual: str = "fix
 
     Relative residuals of: the Q/K condition (``P = I`` / ``P = R`` on non-rotary coordinates,
     ``tr P_m = 2`` / ``tr P_m = tr R_m`` per plane; on a QK-norm site ``s_q = 1`` / ``s_q = s_k``
-    per slot of the gains), ``W_V W_Vᵀ = I``, with ``residual="fix"`` the
+    per slot of the gains; on latent attention also the RoPE part's planes and the latents'
+    ``γ = 1`` and diagonal ``A Aᵀ``), ``W_V W_Vᵀ = I``, with ``residual="fix"`` the
     diagonal/descending/sign conventions (a wrong sign counts as 1), and with ``biases="fold"``
     the bias sectors' ``b_K = 0`` (non-rotary channels) and ``b_V = 0``, relative to the bias's
     scale (its rows' norm, or 1).
@@ -497,18 +574,42 @@ def section_residual(model: nn.Module, section: str = "qr", residual: str = "fix
                 worst = max(worst, _diag_violation(P + R, ref), _sign_violation(K[:, r:]))
         planes = site.rope.planes(dk)
         if planes:
-            p, q = (list(c) for c in zip(*planes))
-            tp = (S[:, p] ** 2).sum(-1) + (S[:, q] ** 2).sum(-1)
-            tr = (K[:, p] ** 2).sum(-1) + (K[:, q] ** 2).sum(-1)
-            gap = (tp - 2).abs() / 2 if section == "qr" else (tp - tr).abs() / (tp + tr)
-            worst = max(worst, float(gap.max()))
-            if residual == "fix":
-                G = torch.stack([S[:, p], S[:, q]], 2) @ torch.stack([S[:, p], S[:, q]], 2).mT
-                G = G + torch.stack([K[:, p], K[:, q]], 2) @ torch.stack([K[:, p], K[:, q]], 2).mT
-                worst = max(worst, _diag_violation(G, torch.linalg.matrix_norm(G)))
-                worst = max(worst, _sign_violation(torch.cat([K[:, p], K[:, q]], -1)))
+            worst = max(worst, _plane_residual(S, K, planes, section, residual))
+        if site.latent is not None:
+            worst = max(worst, _latent_residual(site, section, residual))
         worst = max(worst, _vo_residual(site, t, residual))
     return worst
+
+
+def _plane_residual(S: torch.Tensor, K: torch.Tensor, planes, section: str, residual: str) -> float:
+    """The plane conditions: ``tr P_m = 2`` (qr) or ``tr P_m = tr R_m`` (balanced); with ``"fix"`` the plane's
+    ``P_m + R_m`` diagonal (larger first) and the cubic sign over both key rows."""
+    p, q = (list(c) for c in zip(*planes))
+    tp = (S[:, p] ** 2).sum(-1) + (S[:, q] ** 2).sum(-1)
+    tr = (K[:, p] ** 2).sum(-1) + (K[:, q] ** 2).sum(-1)
+    gap = (tp - 2).abs() / 2 if section == "qr" else (tp - tr).abs() / (tp + tr)
+    worst = float(gap.max())
+    if residual == "fix":
+        G = torch.stack([S[:, p], S[:, q]], 2) @ torch.stack([S[:, p], S[:, q]], 2).mT
+        G = G + torch.stack([K[:, p], K[:, q]], 2) @ torch.stack([K[:, p], K[:, q]], 2).mT
+        worst = max(worst, _diag_violation(G, torch.linalg.matrix_norm(G)))
+        worst = max(worst, _sign_violation(torch.cat([K[:, p], K[:, q]], -1)))
+    return worst
+
+
+def _latent_residual(site: AttentionSite, section: str, residual: str) -> float:
+    """A latent attention site's latents (``γ = 1``; ``"fix"``: ``A Aᵀ`` diagonal, descending, signed) and the
+    RoPE part's plane conditions."""
+    worst = 0.0
+    for lat in site.latent.latents():
+        worst = max(worst, float((lat.effective_gain().double() - 1).abs().max()))
+        if residual == "fix":
+            A = _latent_rows(lat)
+            G = A @ A.mT
+            worst = max(worst, _diag_violation(G[None], torch.linalg.matrix_norm(G)), _sign_violation(A))
+    pair = site.pair("qk_rope")
+    qr, kr = _rope_rows(site)
+    return max(worst, _plane_residual(pair.a.stack(qr), kr, pair.rope.planes(pair.width), section, residual))
 
 
 def _bias_residual(site: AttentionSite, t: dict) -> float:
@@ -666,6 +767,9 @@ def canonicalize(
     for site in sites:
         if biases == "fold":
             zeroed += fold_biases(site)
+        if site.latent is not None:  # the latents first: their criteria ignore the head gauges (module docstring)
+            _latent_section(site, residual, margins)
+            act_qk_rope(site, _rope_factor(site, section, residual, margins))
         if site.qk_norm is None:
             A = _qk_factor(site, effective_tensors(site), section, residual, rank_rtol, margins)
             act_qk(site, A)

@@ -235,8 +235,9 @@ def _attention_outputs(model, sites, run):
 
 def _cmd_verify(args) -> int:
     from gaugeopt.structure.actions import (
-        BIAS_KINDS, INVALID_KINDS, VALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change,
+        ALL_INVALID_KINDS, BIAS_KINDS, VALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change,
     )
+    from gaugeopt.structure.latent import LATENT_SECTORS
     from gaugeopt.tools.checkpoint import forward_logits
     from gaugeopt.structure.registry import find_attention
 
@@ -249,10 +250,11 @@ def _cmd_verify(args) -> int:
     sites = find_attention(model)
     # every kind some site has ("all" applies each where it exists; QK-norm sites: qk_gain, not qk/lrm_qk)
     has_bias = {k for s in sites for k in s.bias_kinds}
-    kinds = tuple(k for k in (VALID_KINDS if _is_lrm(model) else ("qk", "vo", "perm", "qk_gain", *BIAS_KINDS))
+    kinds = tuple(k for k in (VALID_KINDS if _is_lrm(model) else ("qk", "vo", "perm", "qk_gain", *BIAS_KINDS, *LATENT_SECTORS))
                   if not (k == "qk_gain" and all(s.qk_norm is None for s in sites))
                   and not (k in ("qk", "lrm_qk") and all(s.qk_norm is not None for s in sites))
-                  and not (k in BIAS_KINDS and k not in has_bias))
+                  and not (k in BIAS_KINDS and k not in has_bias)
+                  and not (k in LATENT_SECTORS and all(s.latent is None for s in sites)))
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         att0, log0 = _attention_outputs(model, sites, run)
@@ -262,7 +264,7 @@ def _cmd_verify(args) -> int:
             att, log = _attention_outputs(moved, find_attention(moved), run)
             valid.append((relative_change(att0, att), relative_change(log0, log)))
         invalid = {}
-        for kind in INVALID_KINDS:
+        for kind in ALL_INVALID_KINDS:
             try:
                 moved = invalid_gauge_transform(copy.deepcopy(model), kind, generator=g)
             except GaugeError:

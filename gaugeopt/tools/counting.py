@@ -16,6 +16,13 @@ a model has (the nullity of its logits' Jacobian, measured by :func:`gaugeopt.fl
     parameterised: the rotations are symmetries only with an untied head, and then paper 003's
     formula omits the other sectors (docs/errata.md).
 
+**Multi-head latent attention** (DeepSeek-V2/V3, docs/mla.md). ``"wang"``: per layer ``h·n²`` (``qk``,
+the part without RoPE, ``n = qk_nope_head_dim``) ``+ r`` (``qk_rope``: the RoPE commutant of the one
+key all heads share) ``+ h·d_v²`` (``vo``); DeepSeek-V3 (61 layers, 128 heads, ``n = d_v = 128``,
+``r = 64``): 255,856,448. ``"van_nierop"``: its formula with the whole head width ``n + r``.
+``"complete"`` adds the latent sectors, ``latent_rotation`` ``Σ L(L−1)/2`` and ``latent_gain`` ``Σ L``
+over the query and key–value latents, and the stream of a dense model (routed layers are refused).
+
 ``convention="complete"``: every exact continuous symmetry gaugeopt knows, for the models whose
     residual stream it understands (:func:`gaugeopt.structure.stream.find_stream`: gaugeopt's GPT,
     Hugging Face GPT-2 and the Llama family; configs of those). Per layer: ``qk`` and ``vo`` as
@@ -74,10 +81,11 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.bias import sector_dims
+from gaugeopt.structure.latent import latent_dims
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 from gaugeopt.structure.stream import StreamShape
 
-__all__ = ["LayerShape", "NormShape", "gauge_dimension", "layer_shapes", "stream_shape", "CONVENTIONS"]
+__all__ = ["LayerShape", "NormShape", "LatentShape", "gauge_dimension", "layer_shapes", "stream_shape", "CONVENTIONS"]
 
 CONVENTIONS = ("wang", "van_nierop", "complete")
 
@@ -95,10 +103,25 @@ class NormShape:
 
 
 @dataclass(frozen=True)
+class LatentShape:
+    """What a count needs of a multi-head latent attention layer (docs/mla.md): the RoPE width ``r`` of its
+    shared key and the widths of its query latent (``None``: a plain query projection) and key–value latent."""
+
+    r: int
+    L_q: int | None
+    L_kv: int
+
+    def dims(self) -> dict[str, int]:
+        """``qk_rope``, ``latent_rotation``, ``latent_gain`` (:func:`gaugeopt.structure.latent.latent_dims`)."""
+        return latent_dims(self.L_q, self.L_kv, self.r)
+
+
+@dataclass(frozen=True)
 class LayerShape:
     """The head structure of one attention layer, all a count needs (``qk_bias``: the query projection
     has a bias; ``k_bias``, ``v_bias``, ``o_bias``: the others; ``qk_norm``: the layer normalises
-    queries and keys; ``sinks``: attention sinks, which remove the bias sectors)."""
+    queries and keys; ``sinks``: attention sinks, which remove the bias sectors; ``latent``: multi-head
+    latent attention, whose ``d_k``/``rope`` are then those of its part without RoPE)."""
 
     h: int
     h_kv: int
@@ -113,6 +136,7 @@ class LayerShape:
     o_bias: bool = False
     sinks: bool = False
     qk_orthogonal: bool = False  # a weight-free norm per head: only the orthogonal part of the Q/K gauge
+    latent: LatentShape | None = None
 
     def qk_dim(self, ignore_rope: bool = False) -> int:
         """The Q/K gauge of one KV group (``ignore_rope``: as paper 003 counts it)."""
@@ -142,6 +166,27 @@ def _rope_from_hf(cfg: Any, d_k: int) -> RopeSpec:
     return RopeSpec("split_half", r)
 
 
+_DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+
+
+def _deepseek_layer(cfg: Any, model_type: str) -> LayerShape:
+    """One DeepSeek-V2/V3 layer (multi-head latent attention) from its config: the part without RoPE as the
+    record sees it (``d_k = qk_nope_head_dim``, no RoPE, one key per head) and its :class:`LatentShape`."""
+    missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size", "kv_lora_rank", "qk_rope_head_dim",
+                           "qk_nope_head_dim", "v_head_dim") if _get(cfg, k) is None]
+    if missing:
+        raise GaugeError(f"gauge_dimension: a {model_type} config without {', '.join(missing)}")
+    h, n, dv = _get(cfg, "num_attention_heads"), _get(cfg, "qk_nope_head_dim"), _get(cfg, "v_head_dim")
+    r = _get(cfg, "qk_rope_head_dim")
+    h_kv = _get(cfg, "num_key_value_heads", default=h)
+    if h_kv != h:
+        raise GaugeError(f"gauge_dimension: a {model_type} config with num_key_value_heads={h_kv} != num_attention_heads={h} "
+                         "(Hugging Face's DeepSeek attention then fails; gaugeopt refuses such a model too)")
+    o_bias = bool(_get(cfg, "attention_bias", default=False))
+    latent = LatentShape(r, _get(cfg, "q_lora_rank"), _get(cfg, "kv_lora_rank"))  # either RoPE layout: r/2 planes
+    return LayerShape(h, h, n, dv, _get(cfg, "hidden_size"), NO_ROPE, None, False, False, False, o_bias, latent=latent)
+
+
 # model_type -> (QK-norm scope and per-head gains), for the Hugging Face QK-norm families
 _HF_QK_NORM = {"qwen3": ("head", False), "olmo2": ("full", True), "gemma3_text": ("head", False)}
 
@@ -149,16 +194,20 @@ _HF_QK_NORM = {"qwen3": ("head", False), "olmo2": ("full", True), "gemma3_text":
 def _site_shape(s) -> LayerShape:
     n = s.qk_norm
     norm = None if n is None else NormShape(n.kind, n.per_head, n.scope, n.before_rope, n.eps, n.q_bias is not None)
+    lat = s.latent
+    latent = None if lat is None else LatentShape(
+        lat.r, None if lat.q_latent is None else lat.q_latent.width, lat.kv_latent.width)
     return LayerShape(s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope, norm, s.q.bias is not None, s.k.bias is not None,
-                      s.v.bias is not None, s.o.bias is not None, s.sinks is not None, bool(s.qk_orthogonal))
+                      s.v.bias is not None, s.o.bias is not None, s.sinks is not None, bool(s.qk_orthogonal), latent)
 
 
 def layer_shapes(model_or_config: Any) -> list[LayerShape]:
     """Per-layer head structure of a model (via :func:`gaugeopt.find_attention`) or a config.
 
     Configs: :class:`gaugeopt.models.GPTConfig`, a Hugging Face ``PretrainedConfig`` or its
-    ``config.json`` as a dict, for ``model_type`` gpt2, llama, mistral, qwen2, and the QK-norm
-    families qwen3, olmo2, gemma3_text (``gemma3``: its ``text_config``).
+    ``config.json`` as a dict, for ``model_type`` gpt2, llama, mistral, qwen2, the QK-norm
+    families qwen3, olmo2, gemma3_text (``gemma3``: its ``text_config``), and deepseek_v2,
+    deepseek_v3 (multi-head latent attention).
     """
     if isinstance(model_or_config, nn.Module):
         from gaugeopt.structure.gate import trusted_sites
@@ -179,6 +228,8 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
         if text is None:
             raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
         return layer_shapes(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
+    if model_type in _DEEPSEEK:
+        return [_deepseek_layer(cfg, model_type)] * _get(cfg, "num_hidden_layers")
     if model_type == "gpt2":
         L, h, d = _get(cfg, "n_layer", "num_hidden_layers"), _get(cfg, "n_head", "num_attention_heads"), _get(cfg, "n_embd", "hidden_size")
         return [LayerShape(h, h, d // h, d // h, d, qk_bias=True, k_bias=True, v_bias=True, o_bias=True)] * L
@@ -205,8 +256,8 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
         return [shape] * _get(cfg, "num_hidden_layers")
     raise GaugeError(
         f"gauge_dimension: cannot read a config of model_type={model_type!r} ({type(cfg).__qualname__}); "
-        "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2/qwen3/olmo2/gemma3/gpt_oss config "
-        "(object or config.json dict)"
+        "pass a model, a gaugeopt GPTConfig, or a gpt2/llama/mistral/qwen2/qwen3/olmo2/gemma3/gpt_oss/deepseek_v2/"
+        "deepseek_v3 config (object or config.json dict)"
     )
 
 
@@ -288,6 +339,22 @@ def stream_shape(model_or_config: Any) -> StreamShape:
         return StreamShape(_get(cfg, "num_hidden_layers"), d, ff, _get(cfg, "vocab_size"), 0, "rmsnorm",
                            "moe_clamped_swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)), False, True, True,
                            router_shift=d + 1, expert_units=E * ff)
+    if model_type in _DEEPSEEK:
+        L = _get(cfg, "num_hidden_layers")
+        dense = _get(cfg, "first_k_dense_replace", default=0)
+        if dense < L:
+            raise GaugeError(
+                f"gauge_dimension(convention='complete'): a {model_type} config routes layers {dense}..{L - 1} to experts "
+                "(first_k_dense_replace < num_hidden_layers); gaugeopt derives the stream sectors of dense SwiGLU layers "
+                "only. convention='wang' counts the attention gauges (multi-head latent attention included)"
+            )
+        act = _get(cfg, "hidden_act", default="silu")
+        missing = [k for k in ("vocab_size", "intermediate_size") if _get(cfg, k) is None]
+        if act != "silu" or missing:
+            raise GaugeError(f"gauge_dimension(convention='complete'): a {model_type} config needs "
+                             + (f"{' and '.join(missing)}" if missing else f"hidden_act='silu' (SwiGLU), not {act!r}"))
+        return StreamShape(L, _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"), _get(cfg, "vocab_size"), 0,
+                           "rmsnorm", "swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)), False, False, False)
     raise GaugeError(
         f"gauge_dimension(convention='complete'): no residual-stream description for model_type={model_type!r} "
         f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and gpt2/llama/mistral/qwen2/gpt_oss "
@@ -314,6 +381,11 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
         add("vo", s.h_kv * s.d_v**2)
         for key, n in s.bias_sectors().items():
             add(key, n)
+        if s.latent is not None:
+            if ln:
+                raise GaugeError("gauge_dimension: multi-head latent attention in a LayerNorm stream has no derived count")
+            for key, n in s.latent.dims().items():
+                add(key, n)
         add("norm_gain", 2 * d)
         if ln:
             add("norm_bias", 2 * d if st.norm_bias else 0)
@@ -372,7 +444,13 @@ def gauge_dimension(
     plain = [s for s in shapes if s.qk_norm is None]
     counts = {}
     if plain or len(plain) == len(shapes):
-        counts["qk"] = sum(s.h_kv * s.qk_dim(ignore_rope=convention != "wang") for s in plain)
+        if convention == "wang":
+            counts["qk"] = sum(s.h_kv * s.qk_dim() for s in plain)
+        else:  # paper 003's formula with the whole query/key head width (latent attention: no-RoPE + RoPE widths)
+            counts["qk"] = sum(s.h_kv * (s.qk_dim(ignore_rope=True) if s.latent is None else (s.d_k + s.latent.r) ** 2)
+                               for s in plain)
+    if convention == "wang" and any(s.latent is not None for s in shapes):
+        counts["qk_rope"] = sum(s.latent.dims()["qk_rope"] for s in shapes if s.latent is not None)
     for s in shapes:
         if s.qk_norm is not None:
             for key, n in _qk_norm_counts(s, ignore_rope=convention == "van_nierop").items():

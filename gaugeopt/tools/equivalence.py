@@ -89,7 +89,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from gaugeopt.tools.canonical import effective_tensors, refuse_layer_norm
+from gaugeopt.tools.canonical import effective_tensors, refuse_latent, refuse_layer_norm
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import plane_index
@@ -351,6 +351,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, tol: float = 1e-8) -> Equiva
     if not tol >= 0:
         raise GaugeError(f"compare: tol={tol!r} must be a non-negative number")
     sites_a, sites_b = trusted_sites(model_a, "equivalent"), trusted_sites(model_b, "equivalent")
+    refuse_latent(sites_a + sites_b, "compare")
     inert_a, inert_b = inert_tensors(model_a, sites_a), inert_tensors(model_b, sites_b)
     sig_a, sig_b = _signature(sites_a, inert_a), _signature(sites_b, inert_b)
     if sig_a != sig_b:
@@ -436,6 +437,7 @@ class SpectralFingerprint:
 def spectral_fingerprint(model: nn.Module) -> SpectralFingerprint:
     """The :class:`SpectralFingerprint` of ``model`` (float64; the model is not modified)."""
     sites = trusted_sites(model, "spectral_fingerprint")
+    refuse_latent(sites, "spectral_fingerprint")
     inert = inert_tensors(model, sites)
     spectra = []
     for site in sites:

@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
-from gaugeopt.tools.canonical import _stack_outputs, _stack_queries, canonicalize, effective_tensors
+from gaugeopt.tools.canonical import _stack_outputs, _stack_queries, canonicalize, effective_tensors, refuse_latent
 from gaugeopt.tools.equivalence import _aug, match_heads
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.site import AttentionSite
@@ -173,6 +173,7 @@ def align(
     Returns:
         A :class:`MergeResult` with ``reference``, ``aligned`` and ``layers`` (``merged=None``).
     """
+    refuse_latent(find_attention(model_a) + find_attention(model_b), "align")
     ref = canonicalize(model_a, section, residual=residual, sort_heads=sort_heads).model
     aligned = canonicalize(model_b, section, residual=residual, sort_heads=sort_heads).model
     sites_a, sites_b = find_attention(ref), find_attention(aligned)

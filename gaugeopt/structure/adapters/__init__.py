@@ -9,6 +9,7 @@ from gaugeopt.structure.adapters.gpt import adapt_gpt
 from gaugeopt.structure.adapters.hf import HF_ADAPTERS, HF_WRAPPERS, adapt_hf_gpt2
 from gaugeopt.structure.adapters.hf_recent import HF_RECENT_ADAPTERS
 from gaugeopt.structure.adapters.litgpt import LITGPT_ATTENTION, LITGPT_SPEC
+from gaugeopt.structure.adapters.mla import MLA_ADAPTERS
 from gaugeopt.structure.adapters.nanogpt import adapt_nanogpt, looks_like_nanogpt
 from gaugeopt.structure.adapters.timm import TIMM_ATTENTION, TIMM_SPEC
 from gaugeopt.structure.adapters.torch_mha import adapt_mha
@@ -34,6 +35,8 @@ def _register() -> None:
         register_builtin(path, adapter)
     for path in HF_WRAPPERS:
         register_wrapper(path)
+    for path, adapter in MLA_ADAPTERS.items():  # multi-head latent attention (DeepSeek-V2/V3, litgpt, torchtitan)
+        register_builtin(path, adapter)
 
 
 _register()
