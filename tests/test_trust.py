@@ -602,3 +602,18 @@ def test_bf16_report_is_the_drift_of_the_stored_weights():
     assert report.max_drift_after == pytest.approx(stored, rel=1e-5, abs=0.0)
     assert report.max_drift_after > 1e-5  # what bf16 rounding leaves, not the factors' 1e-8
     assert report.rounding_floor == torch.finfo(torch.bfloat16).eps and report.limited_by_rounding
+
+
+def test_random_gauge_transform_defaults_to_each_sites_own_qk_gauge():
+    """The default kinds used to refuse every QK-norm model ('qk' is not its gauge); now they mean each
+    layer's own Q/K gauge — the gains under a QK-norm — with V/O and head permutations."""
+    case = zoo.build("hf_qwen3")
+    with pytest.raises(GaugeError, match="kind 'qk' does not apply"):  # asked for explicitly: still refused
+        gaugeopt.random_gauge_transform(case.copy(), ("qk", "vo"), generator=0)
+    from qk_norm_helpers import float64_norms
+
+    with float64_norms():
+        moved = gaugeopt.random_gauge_transform(case.copy(), generator=0)
+        assert gaugeopt.relative_change(case.logits(), case.logits(moved)) <= VALID_TOL
+    gains = [(n, p) for n, p in moved.named_parameters() if "q_norm" in n]
+    assert any(not torch.equal(p, dict(case.model.named_parameters())[n]) for n, p in gains)  # the gains moved

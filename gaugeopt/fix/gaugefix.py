@@ -57,7 +57,7 @@ from gaugeopt.fix.report import GaugeFixReport, PairRecord
 from gaugeopt.fix.torch_backend import StateMap, TorchFix, measured_scales, plan_batches
 from gaugeopt.fix.transport import classify_state, transport_entries, unwrap_optimizer
 from gaugeopt.kernels import dispatch
-from gaugeopt.structure.gate import Gate
+from gaugeopt.structure.gate import Gate, trusted_sites
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.site import AttentionSite
 
@@ -297,6 +297,11 @@ def gauge_fix(
         :class:`~gaugeopt.fix.report.GaugeFixReport` (drift and scale product before/after per
         layer, heads fixed, state outcome); ``report.as_dict()`` for loggers.
     """
+    if model is not None and not isinstance(model, nn.Module):
+        raise GaugeError(f"gauge_fix: model must be an nn.Module, got {type(model).__name__}")
+    check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
+                      product_decay=product_decay, product_max=product_max, eps=eps)
+    sites = trusted_sites(model, "gauge_fix", sites=sites)  # one shot: prove now or refuse (no recording armed)
     return GaugeFixer(
         model, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity, mode=mode,
         transport_state=transport_state, unknown_state=unknown_state, product_decay=product_decay,

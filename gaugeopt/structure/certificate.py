@@ -588,9 +588,13 @@ def certify(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Cert
 
     if not isinstance(model, nn.Module):
         raise GaugeError(f"certify: model must be an nn.Module, got {type(model).__name__}")
+    from gaugeopt.structure.gate import release_capture
+
     sites = find_attention(model)
     check_static(model, sites, "certify")
-    return certify_with(model, lambda m: m(*example_args, **example_kwargs), sites=sites)
+    report = certify_with(model, lambda m: m(*example_args, **example_kwargs), sites=sites)
+    release_capture(model, sites)  # a recording armed by a fixer or a callback is not needed any more
+    return report
 
 
 def certify_with(model: nn.Module, forward: Callable[[nn.Module], Any], *, sites: Sequence[AttentionSite] | None = None,

@@ -56,7 +56,7 @@ from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.static_checks import check_static, site_bindings, site_modules
 
-__all__ = ["Gate", "Snapshot", "assume_certified", "trusted_sites", "unproved", "arm_capture"]
+__all__ = ["Gate", "Snapshot", "assume_certified", "trusted_sites", "unproved", "arm_capture", "release_capture"]
 
 _MISSING = object()
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
@@ -155,6 +155,14 @@ def arm_capture(root: nn.Module | None, sites: Sequence[AttentionSite]) -> None:
     if rec is not None:
         rec.close()
     _CAPTURES[key] = CallRecorder(todo)
+
+
+def release_capture(root: nn.Module | None, sites: Sequence[AttentionSite] = ()) -> None:
+    """Drop a recording armed for ``root`` (or for ``sites`` without one): their records are proved."""
+    key = _capture_key(root, list(sites))
+    rec = _CAPTURES.pop(key, None) if key is not None else None
+    if rec is not None:
+        rec.close()
 
 
 def _take_capture(root: nn.Module | None, sites: Sequence[AttentionSite]):
@@ -324,6 +332,7 @@ class Gate:
         if todo:
             self.certificate = _prove(self.root, todo, self.operation, automatic=self.automatic)
         _warn_assumed(self.sites, self.operation)
+        release_capture(self.root, self.sites)  # proved: a recording still armed is not needed
         self.snapshot = Snapshot(self.root, self.sites)
         return not _same(old, self.sites)
 

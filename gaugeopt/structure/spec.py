@@ -94,21 +94,24 @@ def resolve(module: nn.Module, value: Value, what: str, name: str = "") -> Any:
 
 
 def require_stock_forward(name: str, module: nn.Module) -> None:
-    """Refuse a module whose ``forward`` is not the one its class defines.
+    """Refuse a module whose ``forward`` is not the one its class's source defines.
 
     An adapter is written against one ``forward``; an instance-level override or a patched
     class method may compute something else (extra scaling, per-head norms, adapters), and
-    the gauge would then silently change the function.
+    the gauge would then silently change the function. Decided on the code object
+    (:func:`gaugeopt.structure.stock.forward_problems`: ``functools.wraps`` keeps a name, not a code
+    object); a replacement marked with :func:`gaugeopt.accept_patch` passes (the certificate proves it).
     """
-    cls = type(module)
+    from gaugeopt.structure.stock import forward_problems
+
     if "forward" in vars(module):
         raise GaugeError(f"{name}: forward was overridden on the instance; gaugeopt cannot vouch for its gauge group")
-    fwd = getattr(cls, "forward", None)
-    if fwd is None or getattr(fwd, "__module__", None) != cls.__module__ or fwd.__qualname__ != f"{cls.__qualname__}.forward":
-        where = f"{getattr(fwd, '__module__', '?')}.{getattr(fwd, '__qualname__', '?')}"
+    problems = forward_problems(type(module))
+    if problems:
         raise GaugeError(
-            f"{name}: {cls.__qualname__}.forward is {where}, not the implementation the adapter was written for "
-            "(patched by another library?); describe it with gaugeopt.AttentionSpec and certify it (docs/adapters.md)"
+            f"{name}: {problems[0]}, not the implementation the adapter was written for (patched by another "
+            "library?); describe it with gaugeopt.AttentionSpec and certify it (docs/adapters.md), or mark a patch you "
+            "vouch for with gaugeopt.accept_patch"
         )
 
 
