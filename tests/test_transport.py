@@ -141,9 +141,9 @@ def test_negative_control_stale_state_differs(opt_name):
 def test_negative_control_wrong_power_differs():
     """A rule with the wrong power for exp_avg_sq (s instead of s²) fails the oracle."""
     make = OPTIMIZERS["adam"]
-    good = dict(state_rule(torch.optim.Adam(torch.nn.Linear(1, 1).parameters())))
+    good = state_rule(torch.optim.Adam(torch.nn.Linear(1, 1).parameters()))
     try:
-        register_state_rule(torch.optim.Adam, {**good, "exp_avg_sq": 1})
+        register_state_rule(torch.optim.Adam, {"exp_avg": 1, "exp_avg_sq": 1, "max_exp_avg_sq": 2})
         initial, batches, snaps, scale, fixed, result, _ = _fixed_then_step("hf_gpt2", False, make)
     finally:
         register_state_rule(torch.optim.Adam, good)
@@ -247,8 +247,8 @@ def test_registered_rule_and_wrapper_unwrapping():
     report = gauge_fix(model, Wrapper(opt))
     assert len(report.transported) == 4
     torch.testing.assert_close(opt.state[p]["buf"], buf * old / p.detach(), rtol=1e-14, atol=0)
-    with pytest.raises(GaugeError, match="powers must be 0, 1 or 2"):
-        register_state_rule(Sign2, {"buf": 3})
+    with pytest.raises(GaugeError, match="powers must be integers"):
+        register_state_rule(Sign2, {"buf": 1.5})
     with pytest.raises(GaugeError, match="wraps none"):
         classify_state(object(), p)
 

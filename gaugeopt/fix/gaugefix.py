@@ -40,11 +40,13 @@ Example:
     >>> report.max_drift_before > 1e-4, gaugeopt.qk_drift(model) < 1e-6
     (True, True)
     >>> sorted(report.as_dict())[:3]
-    ['gaugefix/heads_fixed', 'gaugefix/params_left', 'gaugefix/params_reset']
+    ['gaugefix/heads_fixed', 'gaugefix/params_approximate', 'gaugefix/params_left']
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -53,29 +55,39 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.plan import check_fix_options, plan_pairs, plan_parameters
 from gaugeopt.fix.report import GaugeFixReport, PairRecord
-from gaugeopt.fix.torch_backend import StateMap, TorchFix
-from gaugeopt.fix.transport import classify_state, transport_entries, unwrap_optimizer
+from gaugeopt.fix.plan import PairPlan
+from gaugeopt.fix.torch_backend import SpecialMap, StateMap, TorchFix
+from gaugeopt.fix.transport import param_owners, plan_state, storage_factor
 from gaugeopt.kernels import dispatch
 from gaugeopt.structure.certified import require_certified
 from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.site import AttentionSite
 
-__all__ = ["GaugeFixer", "gauge_fix", "check_optimizer_owns"]
+__all__ = ["GaugeFixer", "gauge_fix", "check_optimizer_owns", "factor_probe"]
 
 
 def check_optimizer_owns(params: dict[int, tuple[str, torch.Tensor]], optimizer, what: str) -> None:
-    """Refuse an optimizer that does not step every parameter a gauge operation rescales: its state
-    of the others could not be transported and would silently go stale."""
-    opt = unwrap_optimizer(optimizer)
-    owned = {id(p) for g in opt.param_groups for p in g["params"]}
-    missing = [name for pid, (name, _) in params.items() if pid not in owned]
-    if missing:
-        whose = "none of the" if len(missing) == len(params) else f"{len(params) - len(missing)} of the {len(params)}"
-        raise GaugeError(
-            f"{what}: the optimizer ({type(opt).__name__}) steps {whose} parameters the fix rescales; missing e.g. "
-            f"{missing[:3]}; their optimizer state cannot be transported. Pass the optimizer that trains these "
-            "parameters (is it another model's?), or transport_state=False to rescale the parameters alone"
-        )
+    """Refuse optimizers (one or several) that do not step every parameter a gauge operation
+    rescales exactly once (:func:`~gaugeopt.fix.transport.param_owners`): the state of the others
+    could not be transported and would silently go stale."""
+    param_owners(optimizer, params, what)
+
+
+def factor_probe(plans: Sequence[PairPlan], seed: int = 0) -> dict[int, torch.Tensor]:
+    """``id(param) → a storage-layout factor with the structure of the fix's``: one random value per
+    KV group and scale slot on each side, so that two coordinates get equal values exactly when the
+    fix always gives them the same factor. State rules that cannot follow every factor (factored or
+    per-block second moments) read the structure from it at set-up, before any factor exists."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[int, torch.Tensor] = {}
+    for plan in plans:
+        for side, members in plan.sides():
+            per_slot = torch.rand(plan.groups, plan.n_slots, generator=g, dtype=torch.float64) + 0.5
+            per_channel = side.expand(per_slot[:, plan.slot])  # (heads, width)
+            for m in members:
+                p = m.ref.param
+                out[id(p)] = storage_factor(m, per_channel, out=out.get(id(p)))
+    return out
 
 
 class GaugeFixer:
@@ -127,58 +139,131 @@ class GaugeFixer:
                                 vo_granularity=vo_granularity, mode=mode)
         self._params = plan_parameters(self.plans)
         self.optimizer = optimizer if transport_state else None
-        if self.optimizer is not None:
-            check_optimizer_owns(self._params, self.optimizer, "gauge_fix")
         self.unknown_state, self.backend = unknown_state, backend
+        # id(param) -> the optimizer stepping it (Muon for matrices beside AdamW for the rest: each its own)
+        self._owners = param_owners(optimizer, self._params, "gauge_fix") if self.optimizer is not None else {}
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for o in self._owners.values():
+            if all(o is not q for q in self.optimizers):
+                self.optimizers.append(o)
         self._numbers = dict(eps=eps, product_decay=product_decay, product_max=product_max)
         self._device = next(iter(self._params.values()))[1].device
         self._runner = None
         self._key = None
         self._certified = False
         self._classified: dict[int, tuple] = {}
+        self._probe: dict[int, torch.Tensor] | None = None
+        self._warned: set[str] = set()
+        self._first_step_hooks: list = []
         self.decision: dispatch.Decision | None = None
+        if self.optimizers:
+            self._check_now_or_at_first_step()
 
-    def _classify(self) -> tuple[dict[str, list[str]], StateMap]:
-        """State outcome per parameter (raises before any write) and the state to transport;
-        drops the state of ``"reset"`` parameters."""
-        outcome: dict[str, list[str]] = {"transported": [], "reset": [], "left": []}
+    # -- the optimizer state ------------------------------------------------------------------
+    def _check_now_or_at_first_step(self) -> None:
+        """Classify the state that exists now (an unknown key raises here, at set-up); an optimizer
+        holding no state of the rescaled parameters yet is classified right after its first step."""
+        self.check_state()
+        weak = weakref.ref(self)
+        for opt in self.optimizers:
+            if any(pid in self._owners and self._owners[pid] is opt and not opt.state.get(p)
+                   for pid, (_, p) in self._params.items()):
+                def first_step(optimizer, args, kwargs, _weak=weak):
+                    fixer = _weak()
+                    if fixer is not None:
+                        fixer._drop_first_step_hooks(optimizer)
+                        fixer.check_state()
+                self._first_step_hooks.append((opt, opt.register_step_post_hook(first_step)))
+
+    def _drop_first_step_hooks(self, optimizer=None) -> None:
+        keep = []
+        for opt, handle in self._first_step_hooks:
+            if optimizer is None or opt is optimizer:
+                handle.remove()
+            else:
+                keep.append((opt, handle))
+        self._first_step_hooks = keep
+
+    @property
+    def probe(self) -> dict[int, torch.Tensor]:
+        """:func:`factor_probe` of the plans (built on first use)."""
+        if self._probe is None:
+            self._probe = factor_probe(self.plans)
+        return self._probe
+
+    def check_state(self) -> dict[str, list[str]]:
+        """Classify the optimizer state of every rescaled parameter now, writing nothing: the
+        outcome lists (``transported``, ``approximate``, ``reset``, ``left``); an unknown state
+        raises :class:`GaugeError` under ``unknown_state="error"``. Called at construction and after
+        each optimizer's first step; every fix classifies again (cached while the state is unchanged)."""
+        outcome, _, _ = self._plan_state(write=False)
+        return outcome
+
+    def _plan_state(self, write: bool = True) -> tuple[dict[str, list[str]], StateMap, SpecialMap]:
+        """State outcome per parameter (raises before any write), the power moves for the backend,
+        the other moves (factored, per-block) and, with ``write``, drops the state of ``"reset"``
+        parameters. The parameters' pending gradients (``p.grad``, a covector: ``/s``) travel with the
+        state, so a fix between a backward and the step that consumes it stays exact."""
+        outcome: dict[str, list[str]] = {"transported": [], "approximate": [], "reset": [], "left": []}
         state: StateMap = {}
-        if self.optimizer is None:
-            return outcome, state
-        opt = unwrap_optimizer(self.optimizer)
+        special: SpecialMap = {}
         whats = []
         for pid, (name, p) in self._params.items():
-            st = opt.state.get(p)
+            opt = self._owners.get(pid)
+            st = opt.state.get(p) if opt is not None else None
             # a parameter's state dict keeps its keys and tensors between steps: classified once
             # (the cache holds the dict and its values, so an identity match cannot be a reused id)
             sig = (st, tuple(st.items())) if st else None
             hit = self._classified.get(pid)
             if hit is not None and sig is not None and hit[0][0] is st and len(hit[0][1]) == len(sig[1]) and all(
                     ka == kb and va is vb for (ka, va), (kb, vb) in zip(hit[0][1], sig[1])):
-                whats.append((pid, name, p, hit[1], hit[2]))
+                whats.append((pid, name, p, opt, hit[1], hit[2]))
                 continue
-            what = classify_state(opt, p, unknown_state=self.unknown_state)
-            entries = [(t, k) for _, t, k in transport_entries(opt, p)] if what == "transported" else None
-            if sig is not None and what == "transported":
-                self._classified[pid] = (sig, what, entries)
-            whats.append((pid, name, p, what, entries))
-        for pid, name, p, what, entries in whats:
-            if what == "reset":
-                opt.state.pop(p, None)
-            elif what == "transported":
-                state[pid] = entries
+            if opt is None:
+                what, moves = "no_state", []
+            else:
+                what, moves = plan_state(opt, p, unknown_state=self.unknown_state, name=name, factor=self.probe[pid])
+            if sig is not None and what in ("transported", "approximate"):
+                self._classified[pid] = (sig, what, moves)
+            whats.append((pid, name, p, opt, what, moves))
+        for pid, name, p, opt, what, moves in whats:
             if what in outcome:
                 outcome[what].append(name)
-        return outcome, state
+            for m in moves:
+                if m.approximate and f"{type(opt).__name__}:{m.key}" not in self._warned:
+                    self._warned.add(f"{type(opt).__name__}:{m.key}")
+                    warnings.warn(f"gauge_fix: {type(opt).__name__}'s {m.key!r} (e.g. of {name}) is transported "
+                                  f"approximately: {m.approximate}. The report lists such parameters under "
+                                  "'approximate' (docs/optimizers.md)", stacklevel=3)
+            if not write:
+                continue
+            if what == "reset":
+                opt.state.pop(p, None)
+            powered = [(m.tensor, m.power) for m in moves if m.apply is None and m.power]
+            if p.grad is not None:
+                powered.append((p.grad, 1))
+            if powered:
+                state[pid] = powered
+            applied = [m.apply for m in moves if m.apply is not None]
+            if applied:
+                special[pid] = applied
+        return outcome, state, special
 
-    def _backend_for(self, state: StateMap):
+    def _classify(self) -> tuple[dict[str, list[str]], StateMap, SpecialMap]:
+        return self._plan_state(write=True)
+
+    def _backend_for(self, state: StateMap, special: SpecialMap):
         from gaugeopt.fix.triton_backend import storage_fingerprint
 
-        key = storage_fingerprint(self.plans, state)
+        key = (storage_fingerprint(self.plans, state), tuple((pid, id(f)) for pid, fs in special.items() for f in fs))
         if self._runner is None or key != self._key:
             def unsupported() -> str | None:
                 from gaugeopt.fix.triton_backend import unsupported_reason
 
+                if special:
+                    pid = next(iter(special))
+                    return (f"the optimizer state of {self._params[pid][0]} is factored or kept per block (Adafactor, "
+                            "Adam-mini): moved by the torch backend")
                 return unsupported_reason(self.plans, state)
 
             self.decision = dispatch.choose("gauge_fix", self._device, backend=self.backend,
@@ -188,7 +273,7 @@ class GaugeFixer:
 
                 self._runner = TritonFix(self.plans, state, **self._numbers)
             else:
-                self._runner = TorchFix(self.plans, state, **self._numbers)
+                self._runner = TorchFix(self.plans, state, special=special, **self._numbers)
             self._key = key
         return self._runner
 
@@ -196,8 +281,9 @@ class GaugeFixer:
         if not self._certified:  # a fix through a record nobody proved could change the model silently
             require_certified(self.sites, "gauge_fix")
             self._certified = True
-        outcome, state = self._classify()
-        runner = self._backend_for(state)
+        self._drop_first_step_hooks()  # classified below in any case
+        outcome, state, special = self._classify()
+        runner = self._backend_for(state, special)
         numbers = runner.run()
         report = GaugeFixReport(**outcome, backend=runner.name)
         for plan, n in zip(self.plans, numbers):  # tensors: nothing waits for the device until the report is read

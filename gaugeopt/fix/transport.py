@@ -60,6 +60,7 @@ import torch
 
 from gaugeopt.distributed import local_factor, local_view
 from gaugeopt.errors import GaugeError
+from gaugeopt.fix.state_rules import StateMove, StateRefused, register_state_rule, state_moves, state_rule
 from gaugeopt.structure.pair import Member
 from gaugeopt.structure.site import TensorRef
 
@@ -67,8 +68,11 @@ __all__ = [
     "UNKNOWN_STATE_POLICIES",
     "register_state_rule",
     "state_rule",
+    "plan_state",
     "rescale_state",
     "classify_state",
+    "param_owners",
+    "unwrap_optimizers",
     "rescale_param",
     "rescale_tensor",
     "storage_factor",
@@ -80,31 +84,6 @@ __all__ = [
 ]
 
 UNKNOWN_STATE_POLICIES = ("error", "reset", "leave")
-
-# state key -> power k: the entry is divided by s**k (0: untouched, coordinate-free).
-_RULES: dict[type, dict[str, int]] = {}
-
-
-def register_state_rule(cls: type, rule: Mapping[str, int]) -> None:
-    """Declare how ``cls``'s per-parameter state transforms under ``p ← s ⊙ p``.
-
-    ``rule[key] = k`` means ``state[key] ← state[key] / s**k`` (``k = 1`` for gradient averages,
-    ``2`` for averages of squared gradients, ``0`` for coordinate-free entries). Keys holding
-    scalars (``step``) need not be listed.
-    """
-    if not isinstance(cls, type):
-        raise GaugeError(f"register_state_rule expects an optimizer class, got {cls!r}")
-    bad = {k: v for k, v in rule.items() if v not in (0, 1, 2)}
-    if bad:
-        raise GaugeError(f"register_state_rule({cls.__qualname__}): powers must be 0, 1 or 2, got {bad}")
-    _RULES[cls] = dict(rule)
-
-
-_ADAM = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
-for _cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam):
-    register_state_rule(_cls, _ADAM)
-register_state_rule(torch.optim.SGD, {"momentum_buffer": 1})
-register_state_rule(torch.optim.Adagrad, {"sum": 2})
 
 
 def inner_optimizer(wrapper):
@@ -124,48 +103,102 @@ def wrapped_chain(optimizer) -> list:
     return chain
 
 
-def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
-    """The :class:`torch.optim.Optimizer` holding the state.
+def _members(optimizer) -> list | None:
+    """The optimizers a container holds in ``.optimizers`` (torchtitan's ``OptimizersContainer``,
+    :class:`gaugeopt.GaugeProjected` over several), or ``None``."""
+    parts = getattr(optimizer, "optimizers", None)
+    if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
+        return list(parts)
+    return None
 
-    Follows ``.optimizer`` / ``._optimizer`` through wrappers: objects that are not optimizers
-    (Lightning's ``LightningOptimizer``) and optimizers whose ``state`` *is* the wrapped one's
-    (Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`). A container holding
-    its optimizers in ``.optimizers`` (torchtitan's ``OptimizersContainer``) resolves to its one
-    optimizer; with several, pass the one that steps the parameters (a container's own ``state``
-    is empty: nothing would be transported).
-    """
+
+def unwrap_optimizers(optimizers) -> list[torch.optim.Optimizer]:
+    """The :class:`torch.optim.Optimizer` s holding the state behind ``optimizers``: one optimizer,
+    a wrapper of one, a container of several (``.optimizers``), or a list or tuple of any of these;
+    each once, in order."""
+    items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not items:
+        raise GaugeError("optimizer=[] holds no optimizer; pass the optimizer(s) that train the model")
+    out: list[torch.optim.Optimizer] = []
+    for item in items:
+        for opt in _unwrap(item):
+            if all(opt is not o for o in out):
+                out.append(opt)
+    return out
+
+
+def _unwrap(optimizer, depth: int = 0) -> list[torch.optim.Optimizer]:
     for _ in range(9):
         if isinstance(optimizer, torch.optim.Optimizer):
             inner = getattr(optimizer, "optimizer", None)
             if isinstance(inner, torch.optim.Optimizer) and optimizer.state is inner.state:
                 optimizer = inner
                 continue
-            parts = getattr(optimizer, "optimizers", None)
-            if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
-                if len(parts) > 1:
-                    raise GaugeError(
-                        f"optimizer={type(optimizer).__qualname__} holds {len(parts)} optimizers in .optimizers; pass "
-                        "the one that steps the attention parameters (its own state is empty)"
-                    )
-                optimizer = parts[0]
-                continue
-            return optimizer
+            parts = _members(optimizer)
+            if parts is not None and depth < 4:
+                return [o for part in parts for o in _unwrap(part, depth + 1)]
+            return [optimizer]
         inner = inner_optimizer(optimizer)
         if inner is None:
             break
         optimizer = inner
     raise GaugeError(
         f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none "
-        "(looked for .optimizer and ._optimizer); pass the optimizer that holds the state"
+        "(looked for .optimizer, ._optimizer and .optimizers); pass the optimizer(s) that hold the state"
     )
 
 
-def state_rule(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
-    """The registered rule for ``optimizer``'s class (first match along the MRO), or ``None``."""
-    for cls in type(optimizer).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
-    return None
+def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The one :class:`torch.optim.Optimizer` holding the state behind ``optimizer``.
+
+    Follows ``.optimizer`` / ``._optimizer`` through wrappers: objects that are not optimizers
+    (Lightning's ``LightningOptimizer``) and optimizers whose ``state`` *is* the wrapped one's
+    (Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`); a container
+    (``.optimizers``) of one. Where several hold state, use :func:`unwrap_optimizers` and
+    :func:`param_owners`.
+    """
+    opts = unwrap_optimizers(optimizer)
+    if len(opts) > 1:
+        raise GaugeError(
+            f"optimizer={type(optimizer).__qualname__} holds {len(opts)} optimizers "
+            f"({', '.join(type(o).__name__ for o in opts)}); this function needs the one that holds the parameter's state"
+        )
+    return opts[0]
+
+
+def param_owners(optimizers, params: Mapping[int, tuple[str, torch.Tensor]], who: str) -> dict[int, torch.optim.Optimizer]:
+    """``id(param) → the optimizer stepping it``, for each of ``params`` (``id → (name, tensor)``).
+
+    ``optimizers`` is anything :func:`unwrap_optimizers` takes (Muon for the matrices beside AdamW for
+    the rest, a container, a list). A parameter no optimizer steps, or two step, is a
+    :class:`GaugeError`: its state could not be transported (none), or would be transported twice
+    and the parameter stepped twice per iteration (two).
+    """
+    opts = unwrap_optimizers(optimizers)
+    owners: dict[int, list[torch.optim.Optimizer]] = {}
+    for opt in opts:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if id(p) in params:
+                    owners.setdefault(id(p), []).append(opt)
+    twice = [(params[pid][0], os) for pid, os in owners.items() if len(os) > 1]
+    if twice:
+        name, os = twice[0]
+        raise GaugeError(
+            f"{who}: {len(twice)} parameter(s) the fix rescales are in two optimizers, e.g. {name} in "
+            f"{' and '.join(type(o).__name__ for o in os)}: it would be stepped twice per iteration and its state moved "
+            "twice. Put each parameter in exactly one optimizer"
+        )
+    missing = [name for pid, (name, _) in params.items() if pid not in owners]
+    if missing:
+        names = ", ".join(type(o).__name__ for o in opts)
+        whose = "none of the" if len(missing) == len(params) else f"{len(params) - len(missing)} of the {len(params)}"
+        raise GaugeError(
+            f"{who}: the optimizer(s) ({names}) step {whose} parameters the fix rescales; missing e.g. "
+            f"{missing[:3]}; their optimizer state cannot be transported. Pass every optimizer that trains these "
+            "parameters (a list: gauge_fix(model, [muon, adamw])), or transport_state=False to rescale the parameters alone"
+        )
+    return {pid: os[0] for pid, os in owners.items()}
 
 
 def _check_policy(unknown_state: str) -> None:
@@ -173,32 +206,42 @@ def _check_policy(unknown_state: str) -> None:
         raise GaugeError(f"unknown_state={unknown_state!r} is not one of {UNKNOWN_STATE_POLICIES}")
 
 
-def classify_state(optimizer, param: torch.Tensor, *, unknown_state: str = "error") -> str:
-    """What :func:`rescale_state` would do, without doing it: ``"no_state"``, ``"transported"``,
-    ``"reset"`` or ``"left"``; raises :class:`GaugeError` for an unknown state under ``"error"``."""
+def refusal_message(opt: torch.optim.Optimizer, name: str, reason: str) -> str:
+    """The :class:`GaugeError` text for a state that cannot be moved (``reason`` from the rule)."""
+    return (
+        f"optimizer {type(opt).__qualname__} {reason} (parameter {name}), so its state cannot be transported after a "
+        "gauge fix. Pass unknown_state='reset' (re-initialise the rescaled parameters' state), 'leave' (keep it stale, "
+        "as paper 002 did), or transport_state=False; or teach it with "
+        "gaugeopt.fix.transport.register_state_rule(cls, {key: power}) (docs/optimizers.md)"
+    )
+
+
+def plan_state(optimizer, param: torch.Tensor, *, unknown_state: str = "error", factor: torch.Tensor | None = None,
+               name: str = "") -> tuple[str, list[StateMove]]:
+    """``(outcome, moves)`` for ``param``'s state: outcome ``"no_state"`` (nothing that depends on the
+    coordinates), ``"transported"`` (every move exact), ``"approximate"`` (at least one declared
+    approximate), ``"reset"`` or ``"left"`` (unknown state under those policies); raises
+    :class:`GaugeError` for unknown state under ``"error"``. ``factor`` is the factor, or any factor
+    with the same structure (which coordinates share a value); ``None``: any diagonal."""
     _check_policy(unknown_state)
     opt = unwrap_optimizer(optimizer)
-    state = opt.state.get(param)
-    if not state:
-        return "no_state"
-    rule = state_rule(opt)
-    unknown = [k for k in _shaped_keys(state, param) if rule is None or k not in rule]
-    if not unknown:
-        return "transported"
-    if unknown_state == "error":
-        what = "has no state rule" if rule is None else f"keeps state keys {unknown} that its rule does not cover"
-        raise GaugeError(
-            f"optimizer {type(opt).__qualname__} {what}, so its state cannot be transported after a gauge fix. "
-            "Pass unknown_state='reset' (re-initialise the rescaled parameters' state), 'leave' (keep it stale, "
-            "as paper 002 did), or transport_state=False; or teach it with "
-            "gaugeopt.fix.transport.register_state_rule(cls, {key: power})"
-        )
-    return "reset" if unknown_state == "reset" else "left"
+    try:
+        moves = [m for m in state_moves(opt, param, factor) if m.moves_data or m.approximate]
+    except StateRefused as refused:
+        if unknown_state == "error":
+            raise GaugeError(refusal_message(opt, name or f"of shape {tuple(param.shape)}", str(refused))) from None
+        return ("reset" if unknown_state == "reset" else "left"), []
+    if not moves:
+        return "no_state", []
+    return ("approximate" if any(m.approximate for m in moves) else "transported"), moves
 
 
-def _shaped_keys(state: dict, param: torch.Tensor) -> list[str]:
-    """State entries shaped like the parameter (the per-coordinate statistics)."""
-    return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(param.shape)]
+def classify_state(optimizer, param: torch.Tensor, *, unknown_state: str = "error",
+                   factor: torch.Tensor | None = None) -> str:
+    """What :func:`rescale_state` would do, without doing it: ``"no_state"``, ``"transported"``,
+    ``"approximate"``, ``"reset"`` or ``"left"``; raises :class:`GaugeError` for an unknown state under
+    ``"error"``."""
+    return plan_state(optimizer, param, unknown_state=unknown_state, factor=factor)[0]
 
 
 @torch.no_grad()
@@ -220,25 +263,26 @@ def rescale_state(
             without a rule, see the module docstring.
 
     Returns:
-        What happened: ``"transported"``, ``"no_state"`` (nothing stored yet), ``"reset"`` or
-        ``"left"``.
+        What happened: ``"transported"``, ``"approximate"``, ``"no_state"`` (nothing stored yet, or
+        nothing that depends on the coordinates), ``"reset"`` or ``"left"``.
     """
-    what = classify_state(optimizer, param, unknown_state=unknown_state)
+    what, moves = plan_state(optimizer, param, unknown_state=unknown_state, factor=factor)
     opt = unwrap_optimizer(optimizer)
     if what == "reset":
         opt.state.pop(param, None)
-    elif what == "transported":
-        for _, t, k in transport_entries(opt, param):
-            rescale_tensor(t, factor, -k)
+    for m in moves:
+        if m.apply is not None:
+            m.apply(factor)
+        elif m.power:
+            rescale_tensor(m.tensor, factor, -m.power)
     return what
 
 
 def transport_entries(optimizer, param: torch.Tensor) -> list[tuple[str, torch.Tensor, int]]:
     """``(key, tensor, k)`` for each state entry of ``param`` that a rescale divides by ``s**k``
-    (``k ≥ 1``), for an optimizer whose state :func:`classify_state` calls ``"transported"``."""
-    opt = unwrap_optimizer(optimizer)
-    state, rule = opt.state.get(param) or {}, state_rule(opt) or {}
-    return [(key, state[key], rule[key]) for key in _shaped_keys(state, param) if rule.get(key)]
+    elementwise (``k ≠ 0``)."""
+    _, moves = plan_state(optimizer, param, unknown_state="leave")
+    return [(m.key, m.tensor, m.power) for m in moves if m.apply is None and m.power]
 
 
 @torch.no_grad()
