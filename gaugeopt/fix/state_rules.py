@@ -157,7 +157,10 @@ def state_rule(optimizer) -> Rule | None:
 def state_moves(optimizer: torch.optim.Optimizer, param: torch.Tensor, probe: torch.Tensor | None = None) -> list[StateMove]:
     """The moves of ``param``'s state in ``optimizer`` (``[]`` without state); raises
     :class:`StateRefused` when it cannot be moved (no rule, a key the rule does not cover, quantised
-    blocks, a factor structure the rule cannot follow)."""
+    blocks, a factor structure the rule cannot follow, an optimizer class refused whatever its state)."""
+    rule = state_rule(optimizer)
+    if getattr(rule, "refuses", None):
+        raise StateRefused(rule.refuses)
     state = optimizer.state.get(param)
     if not state:
         return []
@@ -167,7 +170,6 @@ def state_moves(optimizer: torch.optim.Optimizer, param: torch.Tensor, probe: to
             raise StateRefused(
                 f"stores {key!r} as {kind} (quantised blocks, as 8-bit/4-bit optimizers keep them): rescaling "
                 "the codes would change what they dequantise to, so the state cannot be transported exactly")
-    rule = state_rule(optimizer)
     if rule is None:
         raise StateRefused("has no state rule")
     group = next((g for g in optimizer.param_groups if any(q is param for q in g["params"])), {})
@@ -272,7 +274,7 @@ def factored(row: str, col: str, row_keepdim: bool, full: str, others: Rule | No
     def apply(ctx: StateContext) -> list[StateMove]:
         st = ctx.state
         moves = [] if others is None else others(ctx)
-        known = {row, col, full, "step"} | {m.key for m in moves}
+        known = {row, col, full, "step", "RMS"} | {m.key for m in moves}  # RMS(p): recomputed at every step
         unknown = [k for k, v in st.items() if torch.is_tensor(v) and k not in known]
         if unknown:
             raise StateRefused(f"keeps state keys {unknown} that its rule does not cover")
@@ -376,9 +378,11 @@ def _adam_mini(ctx: StateContext) -> list[StateMove]:
 
 
 def _refuse(reason: str) -> Rule:
+    """A class refused whatever its state holds (and before it holds any)."""
     def apply(ctx: StateContext) -> list[StateMove]:
         raise StateRefused(reason)
 
+    apply.refuses = reason
     return apply
 
 
