@@ -93,8 +93,13 @@ def factor_probe(plans: Sequence[PairPlan], seed: int = 0) -> dict[int, torch.Te
 class GaugeFixer:
     """:func:`gauge_fix`, planned and validated once: call it after optimizer steps.
 
-    Arguments as :func:`gauge_fix`. Construction finds the sites, builds the plans, validates
-    every option and checks that ``optimizer`` owns the parameters it will rescale; each call
+    Arguments as :func:`gauge_fix` (``optimizer`` may be several: ``[muon, adamw]``; each rescaled
+    parameter's state is moved in the one optimizer that steps it). Construction finds the sites,
+    builds the plans, validates every option, checks that every parameter it will rescale is
+    stepped by exactly one of the optimizers and classifies the state they hold (an unknown key is
+    refused here); an optimizer with no state yet is classified right after its first step
+    (``check_first_step=True``: a step post-hook; hosts that hook the steps themselves pass
+    ``False`` and call :meth:`check_state`). Each call
     classifies the optimizer state (raising before any write), runs the backend and returns a
     :class:`~gaugeopt.fix.report.GaugeFixReport`. The backend decision is taken on the first
     call and kept while the parameters' and state's storage stay put (``.decision`` says which
@@ -126,6 +131,7 @@ class GaugeFixer:
         product_max: float | None = None,
         eps: float = 1e-12,
         backend: str = "auto",
+        check_first_step: bool = True,
     ) -> None:
         check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode,
                           unknown_state=unknown_state, product_decay=product_decay, product_max=product_max, eps=eps)
@@ -154,35 +160,29 @@ class GaugeFixer:
         self._classified: dict[int, tuple] = {}
         self._probe: dict[int, torch.Tensor] | None = None
         self._warned: set[str] = set()
-        self._first_step_hooks: list = []
         self.decision: dispatch.Decision | None = None
         if self.optimizers:
-            self._check_now_or_at_first_step()
+            self.check_state()  # an unknown key raises here, at set-up
+            if check_first_step:
+                self._check_at_first_step()
 
     # -- the optimizer state ------------------------------------------------------------------
-    def _check_now_or_at_first_step(self) -> None:
-        """Classify the state that exists now (an unknown key raises here, at set-up); an optimizer
-        holding no state of the rescaled parameters yet is classified right after its first step."""
-        self.check_state()
+    def _check_at_first_step(self) -> None:
+        """An optimizer holding no state of the rescaled parameters yet is classified right after its
+        first step (a step post-hook, inert after it fired: a hook cannot be removed while the
+        optimizer runs its hooks). Hosts that hook the steps themselves call :meth:`check_state`."""
         weak = weakref.ref(self)
         for opt in self.optimizers:
-            if any(pid in self._owners and self._owners[pid] is opt and not opt.state.get(p)
-                   for pid, (_, p) in self._params.items()):
-                def first_step(optimizer, args, kwargs, _weak=weak):
-                    fixer = _weak()
-                    if fixer is not None:
-                        fixer._drop_first_step_hooks(optimizer)
-                        fixer.check_state()
-                self._first_step_hooks.append((opt, opt.register_step_post_hook(first_step)))
+            if any(self._owners.get(pid) is opt and not opt.state.get(p) for pid, (_, p) in self._params.items()):
+                fired = []
 
-    def _drop_first_step_hooks(self, optimizer=None) -> None:
-        keep = []
-        for opt, handle in self._first_step_hooks:
-            if optimizer is None or opt is optimizer:
-                handle.remove()
-            else:
-                keep.append((opt, handle))
-        self._first_step_hooks = keep
+                def first_step(optimizer, args, kwargs, _weak=weak, _fired=fired):
+                    fixer = _weak()
+                    if fixer is not None and not _fired:
+                        _fired.append(True)
+                        fixer.check_state()
+
+                opt.register_step_post_hook(first_step)
 
     @property
     def probe(self) -> dict[int, torch.Tensor]:
@@ -281,7 +281,6 @@ class GaugeFixer:
         if not self._certified:  # a fix through a record nobody proved could change the model silently
             require_certified(self.sites, "gauge_fix")
             self._certified = True
-        self._drop_first_step_hooks()  # classified below in any case
         outcome, state, special = self._classify()
         runner = self._backend_for(state, special)
         numbers = runner.run()
@@ -347,5 +346,5 @@ def gauge_fix(
     return GaugeFixer(
         model, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity, mode=mode,
         transport_state=transport_state, unknown_state=unknown_state, product_decay=product_decay,
-        product_max=product_max, eps=eps, backend=backend,
+        product_max=product_max, eps=eps, backend=backend, check_first_step=False,
     )()

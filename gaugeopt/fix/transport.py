@@ -193,8 +193,9 @@ def param_owners(optimizers, params: Mapping[int, tuple[str, torch.Tensor]], who
     if missing:
         names = ", ".join(type(o).__name__ for o in opts)
         whose = "none of the" if len(missing) == len(params) else f"{len(params) - len(missing)} of the {len(params)}"
+        them = f"the optimizer ({names}) steps" if len(opts) == 1 else f"the optimizers ({names}) step"
         raise GaugeError(
-            f"{who}: the optimizer(s) ({names}) step {whose} parameters the fix rescales; missing e.g. "
+            f"{who}: {them} {whose} parameters the fix rescales; missing e.g. "
             f"{missing[:3]}; their optimizer state cannot be transported. Pass every optimizer that trains these "
             "parameters (a list: gauge_fix(model, [muon, adamw])), or transport_state=False to rescale the parameters alone"
         )

@@ -52,7 +52,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizer
+from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizers
 
 __all__ = ["GaugeFixCallback", "GaugeProjectionCallback"]
 
@@ -85,7 +85,7 @@ class _TrainerSide(TrainerCallback, ExportableState):
         if model is not self._module:
             self.bind(model)
         self.check_conflicts(optimizer)
-        self.attach(owning_optimizer(optimizer, self.watched_params(), type(self).__name__))
+        self.attach(owning_optimizers(optimizer, self.watched_params(), type(self).__name__))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.begin_certificate()  # records of no built-in adapter: certified on this step's forward
