@@ -406,10 +406,11 @@ def test_attention_split_over_two_optimizers(tmp_path):
                 o.zero_grad()
 
     fix = RecordFixes(every=2)
-    t = trainer(tmp_path, max_steps=4, callbacks=[fix])
+    t = trainer(tmp_path, max_steps=8, callbacks=[fix])  # Lightning counts each optimizer's step: 4 batches
     t.fit(Split(), token_loader(4))
+    assert t.global_step == 8
     assert fix.optimizer_steps == 4 and fix.fixes == 2  # one round per batch, not one per optimizer step
-    site = gaugeopt.find_attention(t.lightning_module.model)[0]
+    site = gaugeopt.find_attention(t.lightning_module)[0]  # names as the callback sees them
     assert site.q.row_mult.name in fix.reports[-1].transported and site.k.row_mult.name in fix.reports[-1].transported
     assert all(r.max_drift_after <= 1e-6 for r in fix.reports) and fix.reports[0].max_drift_before > 0
     t = trainer(tmp_path, max_steps=1, callbacks=[GaugeFix(every=1)])
