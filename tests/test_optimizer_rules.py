@@ -69,6 +69,8 @@ EXACT = {
     "rmsprop_momentum_eps0": (LRM, True, lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-2, momentum=0.9,
                                                                        centered=True, eps=0.0), (), {}),
     "adamax_eps0": (LRM, True, lambda m: torch.optim.Adamax(m.parameters(), lr=1e-2, eps=0.0), (), {}),
+    "adagrad_initial_accumulator": (LRM, True, lambda m: torch.optim.Adagrad(m.parameters(), lr=1e-1,
+                                                                             initial_accumulator_value=0.1), (), {}),
     "asgd": (LRM, True, lambda m: torch.optim.ASGD(m.parameters(), lr=1e-2, t0=1), (), {}),
     "rprop": (LRM, True, lambda m: torch.optim.Rprop(m.parameters(), lr=1e-2), (), {}),
     "adafactor_1d": (LRM, True, lambda m: torch.optim.Adafactor(m.parameters(), lr=1e-2), (), {}),
@@ -143,9 +145,6 @@ APPROX = {
     "adamax": (lambda m: torch.optim.Adamax(m.parameters(), lr=1e-2), "exp_inf", 1e-4),
     "rmsprop_momentum": (lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-2, momentum=0.9), "momentum_buffer",
                          1e-4),
-    "adam_coupled_l2": (lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, weight_decay=0.1), "exp_avg", 1e-1),
-    "sgd_coupled_l2": (lambda m: torch.optim.SGD(m.parameters(), lr=1e-1, momentum=0.9, weight_decay=0.1),
-                       "momentum_buffer", 1.0),
 }
 
 
@@ -302,6 +301,9 @@ def _refusal_cases():
         "8-bit stand-in": (LRM, True, lambda m: Int8Adam(m.parameters()), "quantised"),
         "lbfgs": (LRM, True, lambda m: torch.optim.LBFGS(m.parameters()), "flattened curvature pairs"),
         "adam-mini per plane": ("hf_mistral", False, _adam_mini, "split a block"),
+        "adam coupled L2": (LRM, True, lambda m: torch.optim.Adam(m.parameters(), weight_decay=0.1), "coupled L2"),
+        "sgd coupled L2": (LRM, True, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                                                weight_decay=0.1), "coupled L2"),
         "hf adafactor beta1": (LRM, True, _hf_adafactor(lr=1e-2, relative_step=False, beta1=0.9), "scale_parameter"),
     }
     return cases

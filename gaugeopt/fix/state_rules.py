@@ -21,16 +21,17 @@ Approximate moves are declared, never silent:
   ``g / (√v + eps)``, the Hugging Face Adafactor's ``g² + eps₀``) is not a function of the
   coordinates: the move is exact when that ``eps`` is 0, and off by a relative ``≈ eps·|s − 1| / |g|``
   otherwise;
-* a coupled L2 term (``Adam(weight_decay>0)``, ``SGD(weight_decay>0)``: ``g + λp`` enters the moments)
-  is not a covector, so moments holding it move only approximately;
 * a factored second moment ``v̂ = r cᵀ / mean(r)`` (Adafactor): a rescale of the rows moves ``r``
   exactly (``r / s²``), while the column factor — a mean over rows of ``g²/s²`` — is not a function of
   the factors; it is set to the value a rank-one ``v`` would give (``c · mean(r/s²) / mean(r)``), which
   makes the preconditioner ``v̂`` itself move exactly (``v̂ / s²``) and leaves the future column
   averages approximate. Columns likewise, the other way round.
 
-Quantised states (8-bit or 4-bit blocks: bitsandbytes, torchao) are refused: rescaling the codes
-would change what they dequantise to by the block's rounding.
+Refused (the caller's ``unknown_state`` policy applies): quantised states (8-bit or 4-bit blocks:
+bitsandbytes, torchao), whose codes would dequantise to other values; a coupled L2 term
+(``Adam(weight_decay>0)``, ``SGD(weight_decay>0)``: ``g + λp`` enters the moments, a mix of a
+gradient, which moves as ``1/s``, and a weight, which moves as ``s``, that the state cannot separate —
+measured, dividing it by ``s`` continues *worse* than leaving it stale); LBFGS's curvature pairs.
 
 Optimizers from other packages are matched by their import path along the MRO (gaugeopt never
 imports them): schedule-free AdamW/RAdam/SGD, Adam-mini, the Hugging Face Adafactor, bitsandbytes,
@@ -217,40 +218,56 @@ def powers(rule: dict[str, int], approximate: Callable[[StateContext, str], str 
     return apply
 
 
-def _coupled_decay(ctx: StateContext, keys=("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
-                                         "square_avg", "grad_avg", "exp_inf", "ax")) -> Callable[[str], str | None]:
+def _coupled_decay(ctx: StateContext) -> None:
+    """Refuse a coupled L2 term: ``g + λp`` in the moments mixes a covector (moves as ``1/s``) and a
+    vector (moves as ``s``), which the state cannot separate."""
     wd = float(ctx.group.get("weight_decay", 0.0) or 0.0)
-    decoupled = bool(ctx.group.get("decoupled_weight_decay", False))
-    why = (f"weight_decay={wd} adds λ·p to the gradient before it enters {{key}} (a coupled L2 term, not a "
-           "gradient of the same loss in the new coordinates)")
-    return lambda key: why.format(key=key) if wd and not decoupled and key in keys else None
+    if wd and not bool(ctx.group.get("decoupled_weight_decay", False)):
+        raise StateRefused(
+            f"adds weight_decay={wd}·p to the gradient before it enters its moments (coupled L2): they mix the "
+            "gradient, which moves as 1/s, with the weight, which moves as s, and cannot be separated. Use the "
+            "decoupled form (AdamW, or decoupled_weight_decay=True), weight_decay=0 on the rescaled parameters")
 
 
 def _adam_like(ctx: StateContext, key: str) -> str | None:
-    return _coupled_decay(ctx)(key)
+    _coupled_decay(ctx)
+    return None
 
 
-def _adagrad(ctx: StateContext, key: str) -> str | None:
-    init = float(ctx.group.get("initial_accumulator_value", 0.0) or 0.0)
-    if key == "sum" and init:
-        return f"initial_accumulator_value={init} is a constant inside the sum of squared gradients"
-    return _coupled_decay(ctx)(key)
+def _adagrad(ctx: StateContext) -> list[StateMove]:
+    """``sum = c + Σ g²`` with ``c = initial_accumulator_value``: ``sum ← (sum − c)/s² + c``, exact."""
+    _coupled_decay(ctx)
+    moves = powers({"sum": 2})(ctx)
+    c = float(ctx.group.get("initial_accumulator_value", 0.0) or 0.0)
+    if not c or not moves:
+        return moves
+    t = moves[0].tensor
+    if is_dtensor(t):
+        raise StateRefused(f"keeps a sharded 'sum' with initial_accumulator_value={c}, moved only unsharded")
+
+    @torch.no_grad()
+    def move(s: torch.Tensor) -> None:
+        t.sub_(c).div_(s.to(t.dtype) ** 2).add_(c)
+
+    return [StateMove("sum", apply=move)]
 
 
 def _adamax(ctx: StateContext, key: str) -> str | None:
     eps = float(ctx.group.get("eps", 0.0))
+    _coupled_decay(ctx)
     if key == "exp_inf" and eps:
         return (f"exp_inf = max(β₂·exp_inf, |g| + eps) with eps={eps}: exact only for eps=0, else off by at most "
                 "eps·|1 − 1/s| per entry")
-    return _coupled_decay(ctx)(key)
+    return None
 
 
 def _rmsprop(ctx: StateContext, key: str) -> str | None:
     eps = float(ctx.group.get("eps", 0.0))
-    if key == "momentum_buffer" and eps:
+    _coupled_decay(ctx)
+    if key == "momentum_buffer" and eps and ctx.group.get("momentum", 0):
         return (f"the momentum holds steps g/(√v + eps), scale-free only for eps=0; with eps={eps} each past step "
                 "is off by a relative eps·|s − 1|/(√v + s·eps)")
-    return _coupled_decay(ctx)(key)
+    return None
 
 
 # ---------------------------------------------------------------------- factored second moments
@@ -391,7 +408,7 @@ _ADAM = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2, "mu_product": 0}
 for _cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam):
     _RULES[_cls] = powers(_ADAM, _adam_like)
 _RULES[torch.optim.SGD] = powers({"momentum_buffer": 1}, _adam_like)
-_RULES[torch.optim.Adagrad] = powers({"sum": 2}, _adagrad)
+_RULES[torch.optim.Adagrad] = _adagrad
 _RULES[torch.optim.Adamax] = powers({"exp_avg": 1, "exp_inf": 1}, _adamax)
 _RULES[torch.optim.RMSprop] = powers({"square_avg": 2, "grad_avg": 1, "momentum_buffer": 0}, _rmsprop)
 _RULES[torch.optim.ASGD] = powers({"ax": -1, "eta": 0, "mu": 0}, _adam_like)
