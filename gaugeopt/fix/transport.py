@@ -1,37 +1,23 @@
-"""Optimizer-state transport for diagonal reparameterisations ``p ← s ⊙ p``.
+"""Optimizer-state transport for diagonal reparameterisations ``p ← s ⊙ p``: the mechanics.
 
 A gauge fix that rescales a parameter coordinate-wise changes the coordinates the optimizer
-works in. The loss is the same function of the new parameter ``p' = s ⊙ p``, so by the chain
-rule its gradient is ``∂L/∂p' = (∂L/∂p) / s``. Every moment an optimizer keeps is a sum of
-past gradients (or of their squares), so the state *in the new coordinates* is (docs/gaugefix.md)::
+works in. The loss is the same function of ``p' = s ⊙ p``, so its gradient there is
+``(∂L/∂p) / s``, and each state entry is rewritten as if its whole history had been measured in the
+new coordinates — ``exp_avg / s``, ``exp_avg_sq / s²``, a schedule-free ``z · s``, Adafactor's factors,
+... The rules, one per optimizer class, are in :mod:`gaugeopt.fix.state_rules` (what is exact,
+what is declared approximate, what is refused; docs/optimizers.md). This module applies them:
 
-    exp_avg        ← exp_avg / s           (Adam, AdamW, NAdam, RAdam)
-    exp_avg_sq     ← exp_avg_sq / s²       max_exp_avg_sq ← max_exp_avg_sq / s²
-    momentum_buffer← momentum_buffer / s   (SGD)
-    sum            ← sum / s²              (Adagrad)
-    step, mu_product, ...                  untouched (they do not depend on the coordinates)
-
-This is exact for diagonal actions: the next step is the step the optimizer would have taken
-had its whole gradient history been measured in the new coordinates (a test checks it against
-an optimizer run from scratch on a reparameterised copy). It is *not* exact when the
-optimizer adds a coupled L2 term ``weight_decay · p`` to the gradient (``Adam(weight_decay>0)``,
-``SGD(weight_decay>0)``): that penalty is not gauge invariant; nor for ``Adagrad`` with a non-zero
-``initial_accumulator_value`` (a constant that is not a sum of squared gradients). Decoupled
-weight decay (AdamW) acts on ``p`` directly and is unaffected.
-
-Known optimizers are recognised by class (first match along the MRO, so subclasses inherit the
-rule) **and** by their state keys: a state tensor shaped like the parameter under a key the rule
-does not list makes the optimizer "unknown" for that parameter. For unknown optimizers the caller
-chooses (``unknown_state``):
-
-* ``"error"`` (default): raise :class:`~gaugeopt.GaugeError` naming the optimizer and the keys;
-* ``"reset"``: drop the parameter's state (the optimizer re-initialises it lazily, as at step 0;
-  for a fused parameter this resets the whole tensor, e.g. all of ``c_attn``);
-* ``"leave"``: keep the stale state (what the paper did; biased right after every fix).
-
-Wrappers are looked through (:func:`unwrap_optimizer`): Lightning's ``LightningOptimizer``,
-Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`, torchtitan's
-one-optimizer ``OptimizersContainer``. Teach a new optimizer with :func:`register_state_rule`.
+* :func:`plan_state` / :func:`classify_state` — what would happen to one parameter's state:
+  ``"transported"`` (every move exact), ``"approximate"``, ``"no_state"`` (nothing that depends on
+  the coordinates), or, for a state no rule can move, the caller's ``unknown_state``:
+  ``"error"`` (default: :class:`~gaugeopt.GaugeError` naming the optimizer and the reason),
+  ``"reset"`` (drop the parameter's state; the optimizer re-initialises it lazily — for a fused
+  parameter the whole tensor, e.g. all of ``c_attn``) or ``"leave"`` (keep it stale, as paper 002 did);
+* :func:`rescale_state` — do it, given the factor;
+* :func:`unwrap_optimizers`, :func:`param_owners` — the optimizers holding the state behind wrappers
+  (Lightning's ``LightningOptimizer``, Accelerate's ``AcceleratedOptimizer``,
+  :class:`gaugeopt.GaugeProjected`, containers in ``.optimizers`` such as torchtitan's, lists:
+  Muon beside AdamW), and which one steps each parameter (exactly one, or :class:`GaugeError`).
 
 The factor ``s`` is given in *storage layout*, broadcastable against the parameter
 (:func:`storage_factor` builds it from a factor in a :class:`~gaugeopt.structure.site.TensorRef`'s
