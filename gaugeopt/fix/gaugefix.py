@@ -53,9 +53,8 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.fix.plan import check_fix_options, plan_pairs, plan_parameters
+from gaugeopt.fix.plan import PairPlan, check_fix_options, plan_pairs, plan_parameters
 from gaugeopt.fix.report import GaugeFixReport, PairRecord
-from gaugeopt.fix.plan import PairPlan
 from gaugeopt.fix.torch_backend import SpecialMap, StateMap, TorchFix
 from gaugeopt.fix.transport import param_owners, plan_state, storage_factor
 from gaugeopt.kernels import dispatch
