@@ -317,3 +317,24 @@ def test_accelerate_gauge_projected_over_two_optimizers():
         opt.step()
     counters = opt.state_dict()["gauge_projected"]
     assert (counters["step"], counters["fixes"]) == (4, 2) and gaugeopt.qk_drift(model) <= 1e-6
+
+
+def test_gradient_accumulation_counts_one_round_per_k_batches():
+    """With accumulation over 3 batches both optimizers step once per 3 batches: one round, and the
+    fix (every 2 rounds) runs after the 6th and 12th batch — bit-identical to fixing by hand there."""
+    model = _model(lrm=True)
+    ref = copy.deepcopy(model)
+    opts, ref_opts = _opts(model), _opts(ref)
+    fix = FixSteps(every=2).watch(model, list(opts))
+    for k, x in enumerate(_batches(12), 1):
+        for m, os_ in ((model, opts), (ref, ref_opts)):
+            (m(x, x.roll(-1, 1))[1] / 3).backward()
+            if k % 3 == 0:
+                for o in os_:
+                    o.step()
+                for o in os_:
+                    o.zero_grad()
+        if k % 6 == 0:
+            gaugeopt.gauge_fix(ref, list(ref_opts))
+        assert _same(_snap(model), _snap(ref)), k
+    assert fix.state_dict() == {"optimizer_steps": 4, "fixes": 2}
