@@ -41,7 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gaugeopt  # noqa: E402
 from gaugeopt.models import GPT, GPTConfig  # noqa: E402
-from gaugeopt.structure.invariance import randomize_parameters  # noqa: E402
 from recipes.corpus import load_corpus, resolve_corpus_name  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -17,7 +17,7 @@ import torch
 
 import gaugeopt
 import zoo
-from gaugefix_helpers import add_drift, snapshot_params
+from gaugefix_helpers import add_drift, load_params, snapshot_params
 from gaugeopt import GaugeError
 from gaugeopt.fix import gauge_fix
 from gaugeopt.fix.gaugefix import GaugeFixer
@@ -124,7 +124,6 @@ def test_muon_momentum_after_the_fix_is_the_momentum_in_the_new_coordinates():
     initial, data, snaps, scale, fixed, result, report, opt, model = fixed_then_step(name, False, _muon_adamw)
     ref = copy.deepcopy(initial)
     ref_opt = _muon_adamw(ref)
-    from gaugefix_helpers import load_params
     for t in range(len(snaps)):
         load_params(ref, {n: scale[n] * snaps[t][0][n] for n in scale})
         if t == len(snaps) - 1:
