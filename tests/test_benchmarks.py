@@ -54,3 +54,21 @@ def test_bf16_drift_training_smoke(tmp_path, capsys):
     # float32 keeps the tied multipliers of standard MHA together (the drift is rounding-free zero)
     assert all(c["qk_drift"] == 0.0 for c in runs[0]["curve"])
     assert "Q/K drift" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_muon_drift_smoke(tmp_path):
+    muon = _load("muon_drift")
+    assert muon.main(["--steps", "2", "--out", str(tmp_path / "muon")]) == 0
+    out = json.loads((tmp_path / "muon.json").read_text())
+    assert list(out["runs"]) == ["plain", "plain + fix 100", "LRM", "LRM + fix 100"]
+    assert out["newton_schulz"]["f64_row_rescale_vs_before"] > 0
+
+
+@pytest.mark.slow
+def test_approximate_state_smoke(tmp_path):
+    approx = _load("approximate_state")
+    assert approx.main(["--history", "2", "--k", "1", "--out", str(tmp_path / "approx")]) == 0
+    rows = json.loads((tmp_path / "approx.json").read_text())["rows"]
+    assert set(rows) == set(approx.CASES)
+    assert all(r["gaugeopt_1"] >= 0 for r in rows.values())

@@ -84,9 +84,14 @@ def test_gauge_fix_looks_through_wrappers_to_the_state_it_transports():
         for n, p in params.items():
             assert torch.equal(p, ref_params[n]), n
             assert all(torch.equal(v, ref_state[n][k]) for k, v in state[n].items()), n
+    # a container of two: each parameter's state is found in the member that steps it
     model = _model()
+    adamw, adam = _split(model)
+    for _ in range(2):
+        _step(model, Container([adamw, adam]), x)
+    assert len(gaugeopt.gauge_fix(model, Container([adam, adamw])).transported) == 4
     with pytest.raises(GaugeError, match="holds 2 optimizers"):
-        gaugeopt.gauge_fix(model, Container(_split(model)))
+        unwrap_optimizer(Container([adam, adamw]))
 
 
 def test_owning_optimizer_watches_the_optimizer_behind_accelerate_and_inside_containers():

@@ -7,7 +7,8 @@
 * :mod:`.torch_backend`, :mod:`.triton_backend` — the two backends that compute the numbers;
 * :mod:`.report` — :class:`GaugeFixReport`;
 * :mod:`.transport` — optimizer-state transport for diagonal rescales (DTensor-aware through
-  :mod:`gaugeopt.distributed`).
+  :mod:`gaugeopt.distributed`), several optimizers per model;
+* :mod:`.state_rules` — how each optimizer's state moves: exact, declared approximate, or refused.
 """
 
 from gaugeopt.fix.drift import qk_drift, vo_drift

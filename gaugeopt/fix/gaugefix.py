@@ -40,11 +40,13 @@ Example:
     >>> report.max_drift_before > 1e-4, gaugeopt.qk_drift(model) < 1e-6
     (True, True)
     >>> sorted(report.as_dict())[:3]
-    ['gaugefix/heads_fixed', 'gaugefix/nonfinite_groups', 'gaugefix/params_left']
+    ['gaugefix/heads_fixed', 'gaugefix/nonfinite_groups', 'gaugefix/params_approximate']
 """
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Sequence
 
 import torch
@@ -54,14 +56,37 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.fix.drift import log_ratio
 from gaugeopt.fix.plan import PairPlan, check_fix_options, plan_pairs, plan_parameters
 from gaugeopt.fix.report import GaugeFixReport, PairRecord
-from gaugeopt.fix.torch_backend import StateMap, TorchFix, measured_scales, plan_batches
-from gaugeopt.fix.transport import classify_state, transport_entries, unwrap_optimizer
+from gaugeopt.fix.torch_backend import SpecialMap, StateMap, TorchFix, measured_scales, plan_batches
+from gaugeopt.fix.transport import param_owners, plan_state, storage_factor
 from gaugeopt.kernels import dispatch
 from gaugeopt.structure.gate import Gate, trusted_sites
-from gaugeopt.structure.registry import find_attention
 from gaugeopt.structure.site import AttentionSite
 
-__all__ = ["GaugeFixer", "gauge_fix", "check_optimizer_owns"]
+__all__ = ["GaugeFixer", "gauge_fix", "check_optimizer_owns", "factor_probe"]
+
+
+def check_optimizer_owns(params: dict[int, tuple[str, torch.Tensor]], optimizer, what: str) -> None:
+    """Refuse optimizers (one or several) that do not step every parameter a gauge operation
+    rescales exactly once (:func:`~gaugeopt.fix.transport.param_owners`): the state of the others
+    could not be transported and would silently go stale."""
+    param_owners(optimizer, params, what)
+
+
+def factor_probe(plans: Sequence[PairPlan], seed: int = 0) -> dict[int, torch.Tensor]:
+    """``id(param) → a storage-layout factor with the structure of the fix's``: one random value per
+    KV group and scale slot on each side, so that two coordinates get equal values exactly when the
+    fix always gives them the same factor. State rules that cannot follow every factor (factored or
+    per-block second moments) read the structure from it at set-up, before any factor exists."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[int, torch.Tensor] = {}
+    for plan in plans:
+        for side, members in plan.sides():
+            per_slot = torch.rand(plan.groups, plan.n_slots, generator=g, dtype=torch.float64) + 0.5
+            per_channel = side.expand(per_slot[:, plan.slot])  # (heads, width)
+            for m in members:
+                p = m.ref.param
+                out[id(p)] = storage_factor(m, per_channel, out=out.get(id(p)))
+    return out
 
 
 def _rounding_floor(plan: PairPlan) -> float:
@@ -89,8 +114,13 @@ def check_optimizer_owns(params: dict[int, tuple[str, torch.Tensor]], optimizer,
 class GaugeFixer:
     """:func:`gauge_fix`, planned and validated once: call it after optimizer steps.
 
-    Arguments as :func:`gauge_fix`. Construction finds the sites, builds the plans, validates
-    every option and checks that ``optimizer`` owns the parameters it will rescale; each call
+    Arguments as :func:`gauge_fix` (``optimizer`` may be several: ``[muon, adamw]``; each rescaled
+    parameter's state is moved in the one optimizer that steps it). Construction finds the sites,
+    builds the plans, validates every option, checks that every parameter it will rescale is
+    stepped by exactly one of the optimizers and classifies the state they hold (an unknown key is
+    refused here); an optimizer with no state yet is classified right after its first step
+    (``check_first_step=True``: a step post-hook; hosts that hook the steps themselves pass
+    ``False`` and call :meth:`check_state`). Each call
     classifies the optimizer state (raising before any write), runs the backend and returns a
     :class:`~gaugeopt.fix.report.GaugeFixReport`. The backend decision is taken on the first
     call and kept while the parameters' and state's storage stay put (``.decision`` says which
@@ -122,6 +152,7 @@ class GaugeFixer:
         product_max: float | None = None,
         eps: float = 1e-12,
         backend: str = "auto",
+        check_first_step: bool = True,
         rescale_frozen: bool = False,
     ) -> None:
         check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode,
@@ -140,12 +171,18 @@ class GaugeFixer:
         self.rescale_frozen = rescale_frozen
         self.unknown_state, self.backend = unknown_state, backend
         self._numbers = dict(eps=eps, product_decay=product_decay, product_max=product_max)
+        self._warned: set[str] = set()
         self.decision: dispatch.Decision | None = None
         self._gate = Gate(model, "gauge_fix", sites=sites)
         self._plan(self._gate.sites)
+        if self.optimizers:
+            self.check_state()  # an unknown key raises here, at set-up
+            if check_first_step:
+                self._check_at_first_step()
 
     def _plan(self, sites: Sequence[AttentionSite]) -> None:
-        """Plan the pairs of ``sites`` (frozen ones left out unless ``rescale_frozen``) and check the optimizer."""
+        """Plan the pairs of ``sites`` (frozen ones left out unless ``rescale_frozen``) and find, for every
+        parameter it rescales, the one optimizer that steps it."""
         self.sites = list(sites)
         plans = plan_pairs(self.sites, **self._plan_options)
         self.frozen: list[str] = []
@@ -161,55 +198,118 @@ class GaugeFixer:
         self.plans = plans
         self._params = plan_parameters(self.plans)
         self._batches = plan_batches(self.plans)
-        if self.optimizer is not None and self._params:
-            check_optimizer_owns(self._params, self.optimizer, "gauge_fix")
+        # id(param) -> the optimizer stepping it (Muon for matrices beside AdamW for the rest: each its own)
+        self._owners = (param_owners(self.optimizer, self._params, "gauge_fix")
+                        if self.optimizer is not None and self._params else {})
+        self.optimizers: list[torch.optim.Optimizer] = []
+        for o in self._owners.values():
+            if all(o is not q for q in self.optimizers):
+                self.optimizers.append(o)
         first = next(iter(self._params.values()), None)
         self._device = first[1].device if first is not None else torch.device("cpu")
         self._runner = None
         self._key = None
         self._classified: dict[int, tuple] = {}
+        self._probe: dict[int, torch.Tensor] | None = None
 
-    def _classify(self) -> tuple[dict[str, list[str]], StateMap]:
-        """State outcome per parameter (raises before any write) and the state to transport;
-        drops the state of ``"reset"`` parameters."""
-        outcome: dict[str, list[str]] = {"transported": [], "reset": [], "left": []}
+    # -- the optimizer state ------------------------------------------------------------------
+    def _check_at_first_step(self) -> None:
+        """An optimizer holding no state of the rescaled parameters yet is classified right after its
+        first step (a step post-hook, inert after it fired: a hook cannot be removed while the
+        optimizer runs its hooks). Hosts that hook the steps themselves call :meth:`check_state`."""
+        weak = weakref.ref(self)
+        for opt in self.optimizers:
+            if any(self._owners.get(pid) is opt and not opt.state.get(p) for pid, (_, p) in self._params.items()):
+                fired = []
+
+                def first_step(optimizer, args, kwargs, _weak=weak, _fired=fired):
+                    fixer = _weak()
+                    if fixer is not None and not _fired:
+                        _fired.append(True)
+                        fixer.check_state()
+
+                opt.register_step_post_hook(first_step)
+
+    @property
+    def probe(self) -> dict[int, torch.Tensor]:
+        """:func:`factor_probe` of the plans (built on first use)."""
+        if self._probe is None:
+            self._probe = factor_probe(self.plans)
+        return self._probe
+
+    def check_state(self) -> dict[str, list[str]]:
+        """Classify the optimizer state of every rescaled parameter now, writing nothing: the
+        outcome lists (``transported``, ``approximate``, ``reset``, ``left``); an unknown state
+        raises :class:`GaugeError` under ``unknown_state="error"``. Called at construction and after
+        each optimizer's first step; every fix classifies again (cached while the state is unchanged)."""
+        outcome, _, _ = self._plan_state(write=False)
+        return outcome
+
+    def _plan_state(self, write: bool = True) -> tuple[dict[str, list[str]], StateMap, SpecialMap]:
+        """State outcome per parameter (raises before any write), the power moves for the backend,
+        the other moves (factored, per-block) and, with ``write``, drops the state of ``"reset"``
+        parameters. The parameters' pending gradients (``p.grad``, a covector: ``/s``) travel with the
+        state, so a fix between a backward and the step that consumes it stays exact."""
+        outcome: dict[str, list[str]] = {"transported": [], "approximate": [], "reset": [], "left": []}
         state: StateMap = {}
-        if self.optimizer is None:
-            return outcome, state
-        opt = unwrap_optimizer(self.optimizer)
+        special: SpecialMap = {}
         whats = []
         for pid, (name, p) in self._params.items():
-            st = opt.state.get(p)
+            opt = self._owners.get(pid)
+            st = opt.state.get(p) if opt is not None else None
             # a parameter's state dict keeps its keys and tensors between steps: classified once
             # (the cache holds the dict and its values, so an identity match cannot be a reused id)
             sig = (st, tuple(st.items())) if st else None
             hit = self._classified.get(pid)
             if hit is not None and sig is not None and hit[0][0] is st and len(hit[0][1]) == len(sig[1]) and all(
                     ka == kb and va is vb for (ka, va), (kb, vb) in zip(hit[0][1], sig[1])):
-                whats.append((pid, name, p, hit[1], hit[2]))
+                whats.append((pid, name, p, opt, hit[1], hit[2]))
                 continue
-            what = classify_state(opt, p, unknown_state=self.unknown_state)
-            entries = [(t, k) for _, t, k in transport_entries(opt, p)] if what == "transported" else None
-            if sig is not None and what == "transported":
-                self._classified[pid] = (sig, what, entries)
-            whats.append((pid, name, p, what, entries))
-        for pid, name, p, what, entries in whats:
-            if what == "reset":
-                opt.state.pop(p, None)
-            elif what == "transported":
-                state[pid] = entries
+            if opt is None:
+                what, moves = "no_state", []
+            else:
+                what, moves = plan_state(opt, p, unknown_state=self.unknown_state, name=name, factor=self.probe[pid])
+            if sig is not None and what in ("transported", "approximate"):
+                self._classified[pid] = (sig, what, moves)
+            whats.append((pid, name, p, opt, what, moves))
+        for pid, name, p, opt, what, moves in whats:
             if what in outcome:
                 outcome[what].append(name)
-        return outcome, state
+            for m in moves:
+                if m.approximate and f"{type(opt).__name__}:{m.key}" not in self._warned:
+                    self._warned.add(f"{type(opt).__name__}:{m.key}")
+                    warnings.warn(f"gauge_fix: {type(opt).__name__}'s {m.key!r} (e.g. of {name}) is transported "
+                                  f"approximately: {m.approximate}. The report lists such parameters under "
+                                  "'approximate' (docs/optimizers.md)", stacklevel=3)
+            if not write:
+                continue
+            if what == "reset":
+                opt.state.pop(p, None)
+            powered = [(m.tensor, m.power) for m in moves if m.apply is None and m.power]
+            if p.grad is not None:
+                powered.append((p.grad, 1))
+            if powered:
+                state[pid] = powered
+            applied = [m.apply for m in moves if m.apply is not None]
+            if applied:
+                special[pid] = applied
+        return outcome, state, special
 
-    def _backend_for(self, state: StateMap):
+    def _classify(self) -> tuple[dict[str, list[str]], StateMap, SpecialMap]:
+        return self._plan_state(write=True)
+
+    def _backend_for(self, state: StateMap, special: SpecialMap):
         from gaugeopt.fix.triton_backend import storage_fingerprint
 
-        key = storage_fingerprint(self.plans, state)
+        key = (storage_fingerprint(self.plans, state), tuple((pid, id(f)) for pid, fs in special.items() for f in fs))
         if self._runner is None or key != self._key:
             def unsupported() -> str | None:
                 from gaugeopt.fix.triton_backend import unsupported_reason
 
+                if special:
+                    pid = next(iter(special))
+                    return (f"the optimizer state of {self._params[pid][0]} is factored or kept per block (Adafactor, "
+                            "Adam-mini): moved by the torch backend")
                 return unsupported_reason(self.plans, state)
 
             self.decision = dispatch.choose("gauge_fix", self._device, backend=self.backend,
@@ -219,18 +319,18 @@ class GaugeFixer:
 
                 self._runner = TritonFix(self.plans, state, **self._numbers)
             else:
-                self._runner = TorchFix(self.plans, state, **self._numbers)
+                self._runner = TorchFix(self.plans, state, special=special, **self._numbers)
             self._key = key
         return self._runner
 
     def __call__(self) -> GaugeFixReport:
         if self._gate.ensure():  # surgery, a new hook, a patched helper: found, checked, proved again
             self._plan(self._gate.sites)
-        outcome, state = self._classify()
+        outcome, state, special = self._classify()
         report = GaugeFixReport(**outcome, frozen=list(self.frozen))
         if not self.plans:
             return report
-        runner = self._backend_for(state)
+        runner = self._backend_for(state, special)
         numbers = runner.run()
         report.backend = runner.name
         after = measured_scales(self.plans, self._batches)  # the stored values: what rounding to bf16 left, too
@@ -305,5 +405,5 @@ def gauge_fix(
     return GaugeFixer(
         model, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity, mode=mode,
         transport_state=transport_state, unknown_state=unknown_state, product_decay=product_decay,
-        product_max=product_max, eps=eps, backend=backend, rescale_frozen=rescale_frozen,
+        product_max=product_max, eps=eps, backend=backend, check_first_step=False, rescale_frozen=rescale_frozen,
     )()

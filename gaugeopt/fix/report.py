@@ -86,8 +86,13 @@ class GaugeFixReport:
     Attributes:
         pairs: one :class:`PairRecord` per layer and gauge (``"qk"``, then ``"vo"`` if asked; a
             QK-norm layer's Q/K record has kind ``"qk_gain"`` and counts as Q/K in every summary).
-        transported, reset, left: names of the parameters whose optimizer state was transported,
-            reset, or left stale (``unknown_state``); parameters without state are in none.
+        transported: names of the parameters whose optimizer state was moved, every entry exactly.
+        approximate: names of the parameters at least one of whose state entries was moved by a
+            declared approximation (an ``eps`` inside a statistic, a coupled L2 term, Adafactor's
+            unrecoverable factor; docs/optimizers.md).
+        reset, left: names of the parameters whose unknown state was reset, or left stale
+            (``unknown_state``). A parameter without state, or whose state holds nothing that
+            depends on the coordinates, is in none of the lists.
         frozen: the pairs left out because a tensor of theirs does not require gradients
             (``rescale_frozen=False``, the default).
         backend: ``"torch"`` or ``"triton"``: which implementation computed the numbers.
@@ -98,6 +103,7 @@ class GaugeFixReport:
 
     pairs: list[PairRecord] = field(default_factory=list)
     transported: list[str] = field(default_factory=list)
+    approximate: list[str] = field(default_factory=list)
     reset: list[str] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
     frozen: list[str] = field(default_factory=list)
@@ -166,6 +172,7 @@ class GaugeFixReport:
         out: dict[str, float] = {
             f"{prefix}heads_fixed": float(self.heads_fixed),
             f"{prefix}params_transported": float(len(self.transported)),
+            f"{prefix}params_approximate": float(len(self.approximate)),
             f"{prefix}params_reset": float(len(self.reset)),
             f"{prefix}params_left": float(len(self.left)),
             f"{prefix}nonfinite_groups": float(self.nonfinite_groups),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -28,10 +28,12 @@ from gaugeopt.fix.plan import PairPlan
 from gaugeopt.distributed import is_dtensor
 from gaugeopt.fix.transport import rescale_param, rescale_tensor, storage_factor
 
-__all__ = ["PairNumbers", "StateMap", "TorchFix", "measured_scales", "plan_batches"]
+__all__ = ["PairNumbers", "StateMap", "SpecialMap", "TorchFix", "measured_scales", "plan_batches"]
 
 # parameter id -> [(state tensor, power k)]: the state a rescale p ← s ⊙ p divides by s**k
 StateMap = dict[int, list[tuple[torch.Tensor, int]]]
+# parameter id -> [apply(s)]: state moved by a function of the storage-layout factor s (factored moments)
+SpecialMap = dict[int, list[Callable[[torch.Tensor], None]]]
 
 
 @dataclass
@@ -89,17 +91,20 @@ class TorchFix:
     Args:
         plans: the pairs to balance.
         state: the optimizer state to transport, per parameter (empty: parameters only).
+        special: state moved by a function of the parameter's storage-layout factor (Adafactor's
+            factors, Adam-mini's per-block means); such a fix takes the storage-layout path.
         eps, product_decay, product_max: as :func:`gaugeopt.gauge_fix`.
     """
 
     name = "torch"
 
-    def __init__(self, plans: Sequence[PairPlan], state: StateMap, *, eps: float = 1e-12,
-                 product_decay: float | None = None, product_max: float | None = None) -> None:
+    def __init__(self, plans: Sequence[PairPlan], state: StateMap, *, special: SpecialMap | None = None,
+                 eps: float = 1e-12, product_decay: float | None = None, product_max: float | None = None) -> None:
         self.plans = list(plans)
         self.state = state
+        self.special = dict(special or {})
         self.options = dict(eps=eps, product_decay=product_decay, product_max=product_max)
-        sharded = False
+        sharded = bool(self.special)
         for plan in self.plans:
             for _, members in plan.sides():
                 for m in members:
@@ -202,6 +207,8 @@ class TorchFix:
             rescale_param(p, f_param, offset)
             for t, k in self.state.get(pid, ()):
                 rescale_tensor(t, f_gauge, -k)
+            for apply in self.special.get(pid, ()):
+                apply(f_gauge)
 
 
 def _per_head(t: torch.Tensor, k: int) -> torch.Tensor:

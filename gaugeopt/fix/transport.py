@@ -1,37 +1,23 @@
-"""Optimizer-state transport for diagonal reparameterisations ``p ← s ⊙ p``.
+"""Optimizer-state transport for diagonal reparameterisations ``p ← s ⊙ p``: the mechanics.
 
 A gauge fix that rescales a parameter coordinate-wise changes the coordinates the optimizer
-works in. The loss is the same function of the new parameter ``p' = s ⊙ p``, so by the chain
-rule its gradient is ``∂L/∂p' = (∂L/∂p) / s``. Every moment an optimizer keeps is a sum of
-past gradients (or of their squares), so the state *in the new coordinates* is (docs/gaugefix.md)::
+works in. The loss is the same function of ``p' = s ⊙ p``, so its gradient there is
+``(∂L/∂p) / s``, and each state entry is rewritten as if its whole history had been measured in the
+new coordinates — ``exp_avg / s``, ``exp_avg_sq / s²``, a schedule-free ``z · s``, Adafactor's factors,
+... The rules, one per optimizer class, are in :mod:`gaugeopt.fix.state_rules` (what is exact,
+what is declared approximate, what is refused; docs/optimizers.md). This module applies them:
 
-    exp_avg        ← exp_avg / s           (Adam, AdamW, NAdam, RAdam)
-    exp_avg_sq     ← exp_avg_sq / s²       max_exp_avg_sq ← max_exp_avg_sq / s²
-    momentum_buffer← momentum_buffer / s   (SGD)
-    sum            ← sum / s²              (Adagrad)
-    step, mu_product, ...                  untouched (they do not depend on the coordinates)
-
-This is exact for diagonal actions: the next step is the step the optimizer would have taken
-had its whole gradient history been measured in the new coordinates (a test checks it against
-an optimizer run from scratch on a reparameterised copy). It is *not* exact when the
-optimizer adds a coupled L2 term ``weight_decay · p`` to the gradient (``Adam(weight_decay>0)``,
-``SGD(weight_decay>0)``): that penalty is not gauge invariant; nor for ``Adagrad`` with a non-zero
-``initial_accumulator_value`` (a constant that is not a sum of squared gradients). Decoupled
-weight decay (AdamW) acts on ``p`` directly and is unaffected.
-
-Known optimizers are recognised by class (first match along the MRO, so subclasses inherit the
-rule) **and** by their state keys: a state tensor shaped like the parameter under a key the rule
-does not list makes the optimizer "unknown" for that parameter. For unknown optimizers the caller
-chooses (``unknown_state``):
-
-* ``"error"`` (default): raise :class:`~gaugeopt.GaugeError` naming the optimizer and the keys;
-* ``"reset"``: drop the parameter's state (the optimizer re-initialises it lazily, as at step 0;
-  for a fused parameter this resets the whole tensor, e.g. all of ``c_attn``);
-* ``"leave"``: keep the stale state (what the paper did; biased right after every fix).
-
-Wrappers are looked through (:func:`unwrap_optimizer`): Lightning's ``LightningOptimizer``,
-Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`, torchtitan's
-one-optimizer ``OptimizersContainer``. Teach a new optimizer with :func:`register_state_rule`.
+* :func:`plan_state` / :func:`classify_state` — what would happen to one parameter's state:
+  ``"transported"`` (every move exact), ``"approximate"``, ``"no_state"`` (nothing that depends on
+  the coordinates), or, for a state no rule can move, the caller's ``unknown_state``:
+  ``"error"`` (default: :class:`~gaugeopt.GaugeError` naming the optimizer and the reason),
+  ``"reset"`` (drop the parameter's state; the optimizer re-initialises it lazily — for a fused
+  parameter the whole tensor, e.g. all of ``c_attn``) or ``"leave"`` (keep it stale, as paper 002 did);
+* :func:`rescale_state` — do it, given the factor;
+* :func:`unwrap_optimizers`, :func:`param_owners` — the optimizers holding the state behind wrappers
+  (Lightning's ``LightningOptimizer``, Accelerate's ``AcceleratedOptimizer``,
+  :class:`gaugeopt.GaugeProjected`, containers in ``.optimizers`` such as torchtitan's, lists:
+  Muon beside AdamW), and which one steps each parameter (exactly one, or :class:`GaugeError`).
 
 The factor ``s`` is given in *storage layout*, broadcastable against the parameter
 (:func:`storage_factor` builds it from a factor in a :class:`~gaugeopt.structure.site.TensorRef`'s
@@ -60,6 +46,7 @@ import torch
 
 from gaugeopt.distributed import local_factor, local_view
 from gaugeopt.errors import GaugeError
+from gaugeopt.fix.state_rules import StateMove, StateRefused, register_state_rule, state_moves, state_rule
 from gaugeopt.structure.pair import Member
 from gaugeopt.structure.site import TensorRef
 
@@ -67,8 +54,11 @@ __all__ = [
     "UNKNOWN_STATE_POLICIES",
     "register_state_rule",
     "state_rule",
+    "plan_state",
     "rescale_state",
     "classify_state",
+    "param_owners",
+    "unwrap_optimizers",
     "rescale_param",
     "rescale_tensor",
     "storage_factor",
@@ -80,31 +70,6 @@ __all__ = [
 ]
 
 UNKNOWN_STATE_POLICIES = ("error", "reset", "leave")
-
-# state key -> power k: the entry is divided by s**k (0: untouched, coordinate-free).
-_RULES: dict[type, dict[str, int]] = {}
-
-
-def register_state_rule(cls: type, rule: Mapping[str, int]) -> None:
-    """Declare how ``cls``'s per-parameter state transforms under ``p ← s ⊙ p``.
-
-    ``rule[key] = k`` means ``state[key] ← state[key] / s**k`` (``k = 1`` for gradient averages,
-    ``2`` for averages of squared gradients, ``0`` for coordinate-free entries). Keys holding
-    scalars (``step``) need not be listed.
-    """
-    if not isinstance(cls, type):
-        raise GaugeError(f"register_state_rule expects an optimizer class, got {cls!r}")
-    bad = {k: v for k, v in rule.items() if v not in (0, 1, 2)}
-    if bad:
-        raise GaugeError(f"register_state_rule({cls.__qualname__}): powers must be 0, 1 or 2, got {bad}")
-    _RULES[cls] = dict(rule)
-
-
-_ADAM = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
-for _cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam):
-    register_state_rule(_cls, _ADAM)
-register_state_rule(torch.optim.SGD, {"momentum_buffer": 1})
-register_state_rule(torch.optim.Adagrad, {"sum": 2})
 
 
 def inner_optimizer(wrapper):
@@ -124,48 +89,103 @@ def wrapped_chain(optimizer) -> list:
     return chain
 
 
-def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
-    """The :class:`torch.optim.Optimizer` holding the state.
+def _members(optimizer) -> list | None:
+    """The optimizers a container holds in ``.optimizers`` (torchtitan's ``OptimizersContainer``,
+    :class:`gaugeopt.GaugeProjected` over several), or ``None``."""
+    parts = getattr(optimizer, "optimizers", None)
+    if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
+        return list(parts)
+    return None
 
-    Follows ``.optimizer`` / ``._optimizer`` through wrappers: objects that are not optimizers
-    (Lightning's ``LightningOptimizer``) and optimizers whose ``state`` *is* the wrapped one's
-    (Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`). A container holding
-    its optimizers in ``.optimizers`` (torchtitan's ``OptimizersContainer``) resolves to its one
-    optimizer; with several, pass the one that steps the parameters (a container's own ``state``
-    is empty: nothing would be transported).
-    """
+
+def unwrap_optimizers(optimizers) -> list[torch.optim.Optimizer]:
+    """The :class:`torch.optim.Optimizer` s holding the state behind ``optimizers``: one optimizer,
+    a wrapper of one, a container of several (``.optimizers``), or a list or tuple of any of these;
+    each once, in order."""
+    items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if not items:
+        raise GaugeError("optimizer=[] holds no optimizer; pass the optimizer(s) that train the model")
+    out: list[torch.optim.Optimizer] = []
+    for item in items:
+        for opt in _unwrap(item):
+            if all(opt is not o for o in out):
+                out.append(opt)
+    return out
+
+
+def _unwrap(optimizer, depth: int = 0) -> list[torch.optim.Optimizer]:
     for _ in range(9):
         if isinstance(optimizer, torch.optim.Optimizer):
             inner = getattr(optimizer, "optimizer", None)
             if isinstance(inner, torch.optim.Optimizer) and optimizer.state is inner.state:
                 optimizer = inner
                 continue
-            parts = getattr(optimizer, "optimizers", None)
-            if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
-                if len(parts) > 1:
-                    raise GaugeError(
-                        f"optimizer={type(optimizer).__qualname__} holds {len(parts)} optimizers in .optimizers; pass "
-                        "the one that steps the attention parameters (its own state is empty)"
-                    )
-                optimizer = parts[0]
-                continue
-            return optimizer
+            parts = _members(optimizer)
+            if parts is not None and depth < 4:
+                return [o for part in parts for o in _unwrap(part, depth + 1)]
+            return [optimizer]
         inner = inner_optimizer(optimizer)
         if inner is None:
             break
         optimizer = inner
     raise GaugeError(
         f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none "
-        "(looked for .optimizer and ._optimizer); pass the optimizer that holds the state"
+        "(looked for .optimizer, ._optimizer and .optimizers); pass the optimizer(s) that hold the state"
     )
 
 
-def state_rule(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
-    """The registered rule for ``optimizer``'s class (first match along the MRO), or ``None``."""
-    for cls in type(optimizer).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
-    return None
+def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The one :class:`torch.optim.Optimizer` holding the state behind ``optimizer``.
+
+    Follows ``.optimizer`` / ``._optimizer`` through wrappers: objects that are not optimizers
+    (Lightning's ``LightningOptimizer``) and optimizers whose ``state`` *is* the wrapped one's
+    (Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`); a container
+    (``.optimizers``) of one. Where several hold state, use :func:`unwrap_optimizers` and
+    :func:`param_owners`.
+    """
+    opts = unwrap_optimizers(optimizer)
+    if len(opts) > 1:
+        raise GaugeError(
+            f"optimizer={type(optimizer).__qualname__} holds {len(opts)} optimizers "
+            f"({', '.join(type(o).__name__ for o in opts)}); this function needs the one that holds the parameter's state"
+        )
+    return opts[0]
+
+
+def param_owners(optimizers, params: Mapping[int, tuple[str, torch.Tensor]], who: str) -> dict[int, torch.optim.Optimizer]:
+    """``id(param) → the optimizer stepping it``, for each of ``params`` (``id → (name, tensor)``).
+
+    ``optimizers`` is anything :func:`unwrap_optimizers` takes (Muon for the matrices beside AdamW for
+    the rest, a container, a list). A parameter no optimizer steps, or two step, is a
+    :class:`GaugeError`: its state could not be transported (none), or would be transported twice
+    and the parameter stepped twice per iteration (two).
+    """
+    opts = unwrap_optimizers(optimizers)
+    owners: dict[int, list[torch.optim.Optimizer]] = {}
+    for opt in opts:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if id(p) in params:
+                    owners.setdefault(id(p), []).append(opt)
+    twice = [(params[pid][0], os) for pid, os in owners.items() if len(os) > 1]
+    if twice:
+        name, os = twice[0]
+        raise GaugeError(
+            f"{who}: {len(twice)} parameter(s) the fix rescales are in two optimizers, e.g. {name} in "
+            f"{' and '.join(type(o).__name__ for o in os)}: it would be stepped twice per iteration and its state moved "
+            "twice. Put each parameter in exactly one optimizer"
+        )
+    missing = [name for pid, (name, _) in params.items() if pid not in owners]
+    if missing:
+        names = ", ".join(type(o).__name__ for o in opts)
+        whose = "none of the" if len(missing) == len(params) else f"{len(params) - len(missing)} of the {len(params)}"
+        them = f"the optimizer ({names}) steps" if len(opts) == 1 else f"the optimizers ({names}) step"
+        raise GaugeError(
+            f"{who}: {them} {whose} parameters the fix rescales; missing e.g. "
+            f"{missing[:3]}; their optimizer state cannot be transported. Pass every optimizer that trains these "
+            "parameters (a list: gauge_fix(model, [muon, adamw])), or transport_state=False to rescale the parameters alone"
+        )
+    return {pid: os[0] for pid, os in owners.items()}
 
 
 def _check_policy(unknown_state: str) -> None:
@@ -173,32 +193,42 @@ def _check_policy(unknown_state: str) -> None:
         raise GaugeError(f"unknown_state={unknown_state!r} is not one of {UNKNOWN_STATE_POLICIES}")
 
 
-def classify_state(optimizer, param: torch.Tensor, *, unknown_state: str = "error") -> str:
-    """What :func:`rescale_state` would do, without doing it: ``"no_state"``, ``"transported"``,
-    ``"reset"`` or ``"left"``; raises :class:`GaugeError` for an unknown state under ``"error"``."""
+def refusal_message(opt: torch.optim.Optimizer, name: str, reason: str) -> str:
+    """The :class:`GaugeError` text for a state that cannot be moved (``reason`` from the rule)."""
+    return (
+        f"optimizer {type(opt).__qualname__} {reason} (parameter {name}), so its state cannot be transported after a "
+        "gauge fix. Pass unknown_state='reset' (re-initialise the rescaled parameters' state), 'leave' (keep it stale, "
+        "as paper 002 did), or transport_state=False; or teach it with "
+        "gaugeopt.fix.transport.register_state_rule(cls, {key: power}) (docs/optimizers.md)"
+    )
+
+
+def plan_state(optimizer, param: torch.Tensor, *, unknown_state: str = "error", factor: torch.Tensor | None = None,
+               name: str = "") -> tuple[str, list[StateMove]]:
+    """``(outcome, moves)`` for ``param``'s state: outcome ``"no_state"`` (nothing that depends on the
+    coordinates), ``"transported"`` (every move exact), ``"approximate"`` (at least one declared
+    approximate), ``"reset"`` or ``"left"`` (unknown state under those policies); raises
+    :class:`GaugeError` for unknown state under ``"error"``. ``factor`` is the factor, or any factor
+    with the same structure (which coordinates share a value); ``None``: any diagonal."""
     _check_policy(unknown_state)
     opt = unwrap_optimizer(optimizer)
-    state = opt.state.get(param)
-    if not state:
-        return "no_state"
-    rule = state_rule(opt)
-    unknown = [k for k in _shaped_keys(state, param) if rule is None or k not in rule]
-    if not unknown:
-        return "transported"
-    if unknown_state == "error":
-        what = "has no state rule" if rule is None else f"keeps state keys {unknown} that its rule does not cover"
-        raise GaugeError(
-            f"optimizer {type(opt).__qualname__} {what}, so its state cannot be transported after a gauge fix. "
-            "Pass unknown_state='reset' (re-initialise the rescaled parameters' state), 'leave' (keep it stale, "
-            "as paper 002 did), or transport_state=False; or teach it with "
-            "gaugeopt.fix.transport.register_state_rule(cls, {key: power})"
-        )
-    return "reset" if unknown_state == "reset" else "left"
+    try:
+        moves = [m for m in state_moves(opt, param, factor) if m.moves_data or m.approximate]
+    except StateRefused as refused:
+        if unknown_state == "error":
+            raise GaugeError(refusal_message(opt, name or f"of shape {tuple(param.shape)}", str(refused))) from None
+        return ("reset" if unknown_state == "reset" else "left"), []
+    if not moves:
+        return "no_state", []
+    return ("approximate" if any(m.approximate for m in moves) else "transported"), moves
 
 
-def _shaped_keys(state: dict, param: torch.Tensor) -> list[str]:
-    """State entries shaped like the parameter (the per-coordinate statistics)."""
-    return [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0 and tuple(v.shape) == tuple(param.shape)]
+def classify_state(optimizer, param: torch.Tensor, *, unknown_state: str = "error",
+                   factor: torch.Tensor | None = None) -> str:
+    """What :func:`rescale_state` would do, without doing it: ``"no_state"``, ``"transported"``,
+    ``"approximate"``, ``"reset"`` or ``"left"``; raises :class:`GaugeError` for an unknown state under
+    ``"error"``."""
+    return plan_state(optimizer, param, unknown_state=unknown_state, factor=factor)[0]
 
 
 @torch.no_grad()
@@ -220,25 +250,26 @@ def rescale_state(
             without a rule, see the module docstring.
 
     Returns:
-        What happened: ``"transported"``, ``"no_state"`` (nothing stored yet), ``"reset"`` or
-        ``"left"``.
+        What happened: ``"transported"``, ``"approximate"``, ``"no_state"`` (nothing stored yet, or
+        nothing that depends on the coordinates), ``"reset"`` or ``"left"``.
     """
-    what = classify_state(optimizer, param, unknown_state=unknown_state)
+    what, moves = plan_state(optimizer, param, unknown_state=unknown_state, factor=factor)
     opt = unwrap_optimizer(optimizer)
     if what == "reset":
         opt.state.pop(param, None)
-    elif what == "transported":
-        for _, t, k in transport_entries(opt, param):
-            rescale_tensor(t, factor, -k)
+    for m in moves:
+        if m.apply is not None:
+            m.apply(factor)
+        elif m.power:
+            rescale_tensor(m.tensor, factor, -m.power)
     return what
 
 
 def transport_entries(optimizer, param: torch.Tensor) -> list[tuple[str, torch.Tensor, int]]:
     """``(key, tensor, k)`` for each state entry of ``param`` that a rescale divides by ``s**k``
-    (``k ≥ 1``), for an optimizer whose state :func:`classify_state` calls ``"transported"``."""
-    opt = unwrap_optimizer(optimizer)
-    state, rule = opt.state.get(param) or {}, state_rule(opt) or {}
-    return [(key, state[key], rule[key]) for key in _shaped_keys(state, param) if rule.get(key)]
+    elementwise (``k ≠ 0``)."""
+    _, moves = plan_state(optimizer, param, unknown_state="leave")
+    return [(m.key, m.tensor, m.power) for m in moves if m.apply is None and m.power]
 
 
 @torch.no_grad()

@@ -33,7 +33,9 @@ def unsupported_reason(plans: Sequence[PairPlan], state: StateMap) -> str | None
         if p.dtype not in SUPPORTED_DTYPES:
             return f"{name} has dtype {p.dtype}; the kernel supports {SUPPORTED_DTYPES}"
         devices.add(p.device)
-        for t, _ in state.get(id(p), ()):
+        for t, k in state.get(id(p), ()):
+            if k not in (1, 2):
+                return f"the optimizer state of {name} moves with power {k}; the kernel takes powers 1 and 2"
             if is_dtensor(t):
                 return f"the optimizer state of {name} is a DTensor (FSDP2)"
             if t.dtype not in SUPPORTED_DTYPES:

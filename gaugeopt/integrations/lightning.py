@@ -57,7 +57,7 @@ from typing_extensions import override
 from gaugeopt.fix.drift import drift_table, product_stats, worst
 from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.plan import MODES, check_choice
-from gaugeopt.integrations.steps import FixSteps, ProjectSteps, StepCounter, owning_optimizer
+from gaugeopt.integrations.steps import FixSteps, ProjectSteps, StepCounter, owning_optimizers
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.registry import find_attention
 
@@ -79,7 +79,7 @@ class _StepCounter(StepCounter, Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.check_conflicts(trainer.optimizers)
-        self.attach(owning_optimizer(trainer.optimizers, self.watched_params(), type(self).__name__))
+        self.attach(owning_optimizers(trainer.optimizers, self.watched_params(), type(self).__name__))
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -164,7 +164,7 @@ class GaugeMonitor(_StepCounter):
             self._projector = GaugeProjector(self._module, "auto", "exact", sites=self._given_sites)
         return self._projector
 
-    def _pre_step(self, optimizer, args, kwargs) -> None:
+    def _begin_round(self, optimizer, args, kwargs) -> None:
         if self.measure_vertical and self.should_run(self.optimizer_steps + 1):
             from gaugeopt.projection.step import snapshot
 
@@ -218,5 +218,5 @@ class GaugeProjection(ProjectSteps, _StepCounter):
         # step pre-hooks; this hook runs once the gradients exist (accumulated, AMP-unscaled),
         # before clipping and the step.
         super().on_before_optimizer_step(trainer, pl_module, optimizer)  # the certificate first
-        if self.target == "grad" and optimizer is self._optimizer:
-            self.project_grads()
+        if self.target == "grad" and not self._round and any(optimizer is o for o in self._optimizers):
+            self.project_grads()  # the round's first step: every owner's gradients are final

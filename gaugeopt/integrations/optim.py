@@ -31,6 +31,18 @@ at construction; its latest report is :attr:`GaugeProjected.last_report` (``.as_
 neither counts nor fixes; with gradient accumulation the loop calls ``step`` once per ``k``
 batches. The counters travel in ``state_dict`` (a resumed run fixes at the same steps).
 
+**Several optimizers** (Muon for the 2-D matrices beside AdamW for embeddings, norms, biases and
+multipliers): ``GaugeProjected([muon, adamw], model, ...)`` is *one* wrapper over all of them, because
+a gauge direction can span tensors of both (the Q/K rows are Muon's, ``r_Q`` is AdamW's): ``step``
+snapshots once, steps every inner optimizer in order (a closure is evaluated once, before), projects
+the whole update they took together, and fixes after all of them stepped, transporting each
+parameter's state in the optimizer that owns it. Its ``param_groups`` are the inner optimizers' groups
+in order (one LR scheduler over them scales each group from its own base LR), ``state`` is a view of
+their states, ``state_dict`` holds one entry per inner optimizer (``"optimizers"``); a
+``GradScaler`` unscales every group and skips the whole step when any gradient is not finite. A
+parameter in two inner optimizers is refused; ``add_param_group`` goes to an inner optimizer
+(``wrapper.optimizers[i].add_param_group``).
+
 The wrapper *is* the optimizer for the rest of the training stack: a subclass of
 ``torch.optim.Optimizer`` sharing the inner optimizer's ``param_groups``, ``state`` and
 ``defaults`` (LR schedulers and ``GradScaler.unscale_`` act on the inner groups);
@@ -69,7 +81,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import MutableMapping
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
@@ -85,11 +98,42 @@ _PROJECT = ("update", "grad", None)
 _STATE_KEY = "gauge_projected"
 
 
+class _MergedState(MutableMapping):
+    """``state`` of a wrapper over several optimizers: each parameter's entry lives in the optimizer
+    that steps it."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._optimizers = optimizers
+
+    def _owner(self, param) -> torch.optim.Optimizer:
+        for o in self._optimizers:
+            if param in o.state or any(q is param for g in o.param_groups for q in g["params"]):
+                return o
+        raise KeyError(param)
+
+    def __getitem__(self, param):
+        return self._owner(param).state[param]
+
+    def __setitem__(self, param, value) -> None:
+        self._owner(param).state[param] = value
+
+    def __delitem__(self, param) -> None:
+        del self._owner(param).state[param]
+
+    def __iter__(self) -> Iterator:
+        for o in self._optimizers:
+            yield from o.state
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self._optimizers)
+
+
 class GaugeProjected(torch.optim.Optimizer):
-    """Wrap ``optimizer`` so that its steps on ``model`` are gauge-orthogonal.
+    """Wrap ``optimizer`` (or several) so that its steps on ``model`` are gauge-orthogonal.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer`` over (at least) the gauge parameters.
+        optimizer: any ``torch.optim.Optimizer`` over (at least) the gauge parameters, or a list of
+            optimizers that together step them (Muon beside AdamW), each parameter in one.
         model: the model whose attention gauges are projected out.
         project: ``"update"`` (project the step actually taken), ``"grad"``, or ``None`` (no
             projection: GaugeFix alone; needs ``fix_every``).
@@ -135,10 +179,24 @@ class GaugeProjected(torch.optim.Optimizer):
         fix_kwargs: dict | None = None,
         **projector_kwargs: Any,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise GaugeError(f"GaugeProjected: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(optimizer, GaugeProjected):
-            raise GaugeError("GaugeProjected: the optimizer is already wrapped; wrap the inner optimizer once")
+        inner = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not inner:
+            raise GaugeError("GaugeProjected: optimizer=[] holds no optimizer; pass the optimizer(s) that train the model")
+        for o in inner:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise GaugeError(f"GaugeProjected: optimizer must be a torch.optim.Optimizer (or a list of them), got "
+                                 f"{type(o).__name__}")
+            if isinstance(o, GaugeProjected):
+                raise GaugeError("GaugeProjected: the optimizer is already wrapped; wrap the inner optimizer(s) once")
+        if len({id(o) for o in inner}) < len(inner):
+            raise GaugeError("GaugeProjected: the same optimizer is listed twice; list each inner optimizer once")
+        shared = {id(p) for p in _params(inner[0])}
+        for o in inner[1:]:
+            mine = {id(p) for p in _params(o)}
+            if shared & mine:
+                raise GaugeError("GaugeProjected: a parameter is in two of the inner optimizers; it would be stepped "
+                                 "twice per step. Put each parameter in one optimizer")
+            shared |= mine
         if project not in _PROJECT:
             raise GaugeError(f"GaugeProjected: project={project!r} is not one of {_PROJECT}")
         if project is None:
@@ -156,14 +214,16 @@ class GaugeProjected(torch.optim.Optimizer):
         check_mode(mode, "GaugeProjected")
         if fix_every is not None and (isinstance(fix_every, bool) or not isinstance(fix_every, int) or fix_every < 1):
             raise GaugeError(f"GaugeProjected: fix_every={fix_every!r} must be a positive integer or None")
-        if project == "grad" and isinstance(optimizer, torch.optim.LBFGS):
+        if project == "grad" and any(isinstance(o, torch.optim.LBFGS) for o in inner):
             raise GaugeError(
                 "GaugeProjected: project='grad' evaluates the closure once, but LBFGS re-evaluates it; use project='update'"
             )
         super().__init__([torch.zeros(())], {})  # placeholder: see the delegating properties below
         for key in ("_constructor_param_groups", "_constructor_state", "_constructor_defaults"):
             self.__dict__.pop(key, None)
-        self.optimizer = optimizer
+        self.optimizers = inner
+        self.__dict__["optimizer"] = inner[0] if len(inner) == 1 else None  # one inner optimizer: as before
+        self._merged = _MergedState(inner) if len(inner) > 1 else None
         self.model = model
         self.project, self.mode, self.fix_every = project, mode, fix_every
         self.sectors, self.sites, self.fix_kwargs = sectors, sites, dict(fix_kwargs or {})
@@ -185,40 +245,49 @@ class GaugeProjected(torch.optim.Optimizer):
     # public constructor (hooks, step patching, whatever a torch release adds) runs on a placeholder
     # parameter first, while the setters below keep its writes away from the inner optimizer.
     def _inner(self):
-        return self.__dict__.get("optimizer")
+        return self.__dict__.get("optimizers")
+
+    def _single(self, what: str) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise GaugeError(f"GaugeProjected over {len(self.optimizers)} optimizers: set {what} on one of "
+                             "wrapper.optimizers")
+        return self.optimizer
 
     @property
     def param_groups(self) -> list[dict]:  # type: ignore[override]
-        return self.optimizer.param_groups
+        if self.optimizer is not None:
+            return self.optimizer.param_groups
+        return [g for o in self.optimizers for g in o.param_groups]
 
     @param_groups.setter
     def param_groups(self, value: list[dict]) -> None:
         if self._inner() is None:
             self.__dict__["_constructor_param_groups"] = value
         else:
-            self.optimizer.param_groups = value
+            self._single("param_groups").param_groups = value
 
     @property
     def state(self):  # type: ignore[override]
-        return self.optimizer.state
+        return self.optimizer.state if self.optimizer is not None else self._merged
 
     @state.setter
     def state(self, value) -> None:
         if self._inner() is None:
             self.__dict__["_constructor_state"] = value
         else:
-            self.optimizer.state = value
+            self._single("state").state = value
 
     @property
     def defaults(self) -> dict:  # type: ignore[override]
-        return self.optimizer.defaults
+        """The inner optimizer's defaults (the first one's, over several)."""
+        return self.optimizers[0].defaults
 
     @defaults.setter
     def defaults(self, value: dict) -> None:
         if self._inner() is None:
             self.__dict__["_constructor_defaults"] = value
         else:
-            self.optimizer.defaults = value
+            self._single("defaults").defaults = value
 
     @property
     def projector(self) -> GaugeProjector:
@@ -234,7 +303,7 @@ class GaugeProjected(torch.optim.Optimizer):
 
     def _check_coverage(self) -> None:
         """Every gauge parameter must be stepped by the inner optimizer (or nothing is coherent)."""
-        managed = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        managed = {id(p) for g in self.param_groups for p in g["params"]}
         params = dict(self.model.named_parameters())
         missing = [n for n in self.projector.param_names() if id(params[n]) not in managed]
         if missing:
@@ -245,12 +314,25 @@ class GaugeProjected(torch.optim.Optimizer):
             )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._inner() is None:  # the constructor's placeholder group
             return
-        self.optimizer.add_param_group(param_group)
+        self._single("add_param_group").add_param_group(param_group)
+
+    def _inner_step(self, closure, kwargs) -> Any:
+        """Every inner optimizer steps (one: with the closure; several: the closure evaluated once, first)."""
+        if self.optimizer is not None:
+            return self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for o in self.optimizers:
+            o.step(**kwargs)
+        return loss
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -258,11 +340,11 @@ class GaugeProjected(torch.optim.Optimizer):
         """One inner step, projected (unless ``project=None``), then GaugeFix when ``fix_every``
         says so; ``closure`` re-evaluates the loss as for any optimizer."""
         if self.project is None:
-            loss = self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+            loss = self._inner_step(closure, kwargs)
         elif self.project == "update":
             proj = self.projector
             before = snapshot(proj, self.model)
-            loss = self.optimizer.step(closure, **kwargs) if closure is not None else self.optimizer.step(**kwargs)
+            loss = self._inner_step(closure, kwargs)
             self._last = remove_vertical_update_(proj, self.model, before)
             self.nonfinite_steps += self._last is None
         else:
@@ -272,8 +354,10 @@ class GaugeProjected(torch.optim.Optimizer):
                     loss = closure()
             self._last = remove_vertical_grad_(self.projector, self.model)
             self.nonfinite_steps += self._last is None
-            self.optimizer.step(**kwargs)
+            self._inner_step(None, kwargs)
         self._steps += 1
+        if self._steps == 1 and self._fixer is not None:
+            self._fixer.check_state()  # the state the first step created: an unknown key is refused now
         if self.fix_every is not None and self._steps % self.fix_every == 0:
             self.fix()
         return loss
@@ -287,7 +371,8 @@ class GaugeProjected(torch.optim.Optimizer):
         kwargs = dict(self.fix_kwargs)
         if self.sites is not None:
             kwargs.setdefault("sites", self.sites)
-        return GaugeFixer(self.model, self.optimizer, **kwargs)
+        kwargs.setdefault("check_first_step", False)  # step() classifies after the first step itself
+        return GaugeFixer(self.model, self.optimizer if self.optimizer is not None else self.optimizers, **kwargs)
 
     @property
     def fixer(self) -> GaugeFixer:
@@ -298,7 +383,7 @@ class GaugeProjected(torch.optim.Optimizer):
         return self._fixer
 
     def fix(self):
-        """Run ``gaugeopt.gauge_fix(model, optimizer=inner, **fix_kwargs)`` now; returns its report."""
+        """Run ``gaugeopt.gauge_fix(model, optimizer=inner(s), **fix_kwargs)`` now; returns its report."""
         self.last_report = self.fixer()
         self._fixes += 1
         return self.last_report
@@ -320,7 +405,10 @@ class GaugeProjected(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        sd = dict(self.optimizer.state_dict())
+        if self.optimizer is not None:
+            sd = dict(self.optimizer.state_dict())
+        else:
+            sd = {"state": {}, "param_groups": [], "optimizers": [o.state_dict() for o in self.optimizers]}
         sd[_STATE_KEY] = self._own_state()
         for hook in self._optimizer_state_dict_post_hooks.values():
             out = hook(self, sd)
@@ -342,7 +430,17 @@ class GaugeProjected(torch.optim.Optimizer):
                 state_dict = out
         sd = dict(state_dict)
         own = sd.pop(_STATE_KEY, None)
-        self.optimizer.load_state_dict(sd)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(sd)
+        else:
+            inner = sd.get("optimizers")
+            if not isinstance(inner, (list, tuple)) or len(inner) != len(self.optimizers):
+                raise GaugeError(
+                    f"GaugeProjected.load_state_dict: this wrapper holds {len(self.optimizers)} optimizers; the state "
+                    f"holds {len(inner) if isinstance(inner, (list, tuple)) else 'no'} ('optimizers'); load the state "
+                    "a wrapper over the same optimizers saved")
+            for o, s_ in zip(self.optimizers, inner):
+                o.load_state_dict(s_)
         if own is not None:
             if own.get("project") not in _PROJECT or own.get("mode") not in MODES:
                 raise GaugeError(f"GaugeProjected.load_state_dict: unreadable options in {_STATE_KEY!r}: {own}")
@@ -364,7 +462,9 @@ class GaugeProjected(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         return {
+            "optimizers": self.optimizers,
             "optimizer": self.optimizer,
+            "_merged": self._merged,
             "model": self.model,
             "project": self.project,
             "mode": self.mode,
@@ -380,14 +480,22 @@ class GaugeProjected(torch.optim.Optimizer):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if "optimizers" not in state:  # pickled by a version that wrapped one optimizer only
+            state["optimizers"], state["_merged"] = [state["optimizer"]], None
+        self.__dict__.update({k: state[k] for k in ("optimizers", "optimizer", "_merged")})
         torch.optim.Optimizer.__setstate__(self, state)  # restores hooks and the step patch
         self._projector = None
         self._fixer = None
         self.last_report = None
 
     def __repr__(self) -> str:
-        inner = "\n".join("    " + line for line in repr(self.optimizer).splitlines())
+        inner = "\n".join("    " + line for o in self.optimizers for line in repr(o).splitlines())
         return (
             f"GaugeProjected(project={self.project!r}, mode={self.mode!r}, fix_every={self.fix_every}, "
             f"sectors={self.sectors!r}, steps={self._steps},\n{inner}\n)"
         )
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]

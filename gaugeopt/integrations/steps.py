@@ -4,14 +4,21 @@ The Lightning callbacks (:mod:`gaugeopt.integrations.lightning`), the Hugging Fa
 callbacks (:mod:`gaugeopt.integrations.transformers`) and loops written by hand (torchtitan,
 ``docs/integrations.md``) all do the same four things, implemented here once:
 
-* **which optimizer** — :func:`owning_optimizer`: the one optimizer that steps the attention
-  parameters. Wrappers whose ``step()`` runs even when nothing is stepped are looked through
-  (Accelerate's ``AcceleratedOptimizer`` reports ``step_was_skipped``; the optimizer it wraps is
-  watched), and so are containers of optimizers (torchtitan's ``OptimizersContainer.optimizers``).
+* **which optimizers** — :func:`owning_optimizers`: the optimizers that step the parameters an
+  action touches (Muon for the matrices beside AdamW for the multipliers and biases: both).
+  Wrappers whose ``step()`` runs even when nothing is stepped are looked through (Accelerate's
+  ``AcceleratedOptimizer`` reports ``step_was_skipped``; the optimizer it wraps is watched), and so
+  are containers of optimizers (torchtitan's ``OptimizersContainer.optimizers``); a
+  :class:`gaugeopt.GaugeProjected` is watched itself (its step is a whole projected round).
 * **counting real steps** — :class:`StepCounter` attaches ``register_step_pre_hook`` /
-  ``register_step_post_hook`` to that optimizer, so it counts the steps it really takes: a
+  ``register_step_post_hook`` to those optimizers, so it counts the steps they really take: a
   ``GradScaler`` that finds inf/NaN gradients does not call ``optimizer.step`` (no count, no
-  action), gradient accumulation calls it once per ``k`` batches.
+  action), gradient accumulation calls it once per ``k`` batches. With several owners a step is a
+  *round*: it is complete when every owner has stepped since the last complete round (in a loop
+  ``backward(); muon.step(); adamw.step()``, right after ``adamw.step()``); an owner whose step a
+  ``GradScaler`` skipped keeps the round open until its next real step. A fix at the end of a round
+  that closes in the middle of an iteration is still exact: the gradients not yet consumed travel
+  with the rescale (:class:`~gaugeopt.fix.gaugefix.GaugeFixer`).
 * **acting every N** — after every ``every``-th step (:meth:`StepCounter.should_run`) it acts in
   the post-hook, right after the step and before gradients are zeroed; the metrics wait in
   :meth:`StepCounter.pop_metrics` for the framework's logger.
@@ -53,7 +60,7 @@ from gaugeopt.structure.certificate import CertificateReport
 from gaugeopt.structure.gate import Gate
 from gaugeopt.structure.site import AttentionSite
 
-__all__ = ["check_every", "owning_optimizer", "StepCounter", "FixSteps", "ProjectSteps"]
+__all__ = ["check_every", "owning_optimizer", "owning_optimizers", "StepCounter", "FixSteps", "ProjectSteps"]
 
 
 def check_every(every: Any, name: str = "every") -> int:
@@ -65,7 +72,11 @@ def check_every(every: Any, name: str = "every") -> int:
 
 def _watched(optimizer) -> list[torch.optim.Optimizer]:
     """The optimizers whose ``step`` runs exactly when a step is taken, behind ``optimizer``."""
+    from gaugeopt.integrations.optim import GaugeProjected
+
     for _ in range(9):
+        if isinstance(optimizer, GaugeProjected):
+            return [optimizer]  # its step is a whole (projected, fixed) round of the optimizers it wraps
         if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "step_was_skipped"):
             parts = getattr(optimizer, "optimizers", None)
             if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
@@ -81,29 +92,44 @@ def _watched(optimizer) -> list[torch.optim.Optimizer]:
     )
 
 
-def owning_optimizer(optimizers, params: Iterable[torch.Tensor], who: str) -> torch.optim.Optimizer:
-    """The one optimizer among ``optimizers`` (one or a sequence) that steps ``params``.
-
-    Returned as the object to hook: wrappers that report ``step_was_skipped`` (Accelerate) are
-    replaced by the optimizer they wrap, containers (``.optimizers``) by their members. Split
-    over several optimizers, a fix would transport only one optimizer's state and a projection
-    would see only part of the step: :class:`GaugeError`.
-    """
+def owning_optimizers(optimizers, params: Iterable[torch.Tensor], who: str) -> list[torch.optim.Optimizer]:
+    """The optimizers among ``optimizers`` (one or a sequence) that step any of ``params``, as the
+    objects to hook (see :func:`_watched`), in order. None is a :class:`GaugeError`, and so is a
+    tensor stepped by two (it would be updated twice per iteration)."""
     candidates = [optimizers] if not isinstance(optimizers, (list, tuple)) else list(optimizers)
     wanted = {id(p) for p in params}
     owners: list[torch.optim.Optimizer] = []
+    seen: dict[int, torch.optim.Optimizer] = {}
     for opt in (w for c in candidates for w in _watched(c)):
-        if wanted & {id(p) for g in opt.param_groups for p in g["params"]} and all(opt is not o for o in owners):
-            owners.append(opt)
+        if any(opt is o for o in owners):
+            continue
+        mine = wanted & {id(p) for g in opt.param_groups for p in g["params"]}
+        if not mine:
+            continue
+        for pid in mine:
+            if pid in seen:
+                raise GaugeError(
+                    f"{who}: a parameter of the attention is stepped by two optimizers ({type(seen[pid]).__name__} and "
+                    f"{type(opt).__name__}): it would be updated twice per iteration. Put each tensor in one optimizer"
+                )
+            seen[pid] = opt
+        owners.append(opt)
     if not owners:
         raise GaugeError(
             f"{who}: no optimizer of this run updates the attention parameters it watches ({len(wanted)} tensors); "
-            "pass the optimizer that trains the model (its param_groups must hold the Q/K/V/O tensors)"
+            "pass the optimizer(s) that train the model (their param_groups must hold the Q/K/V/O tensors)"
         )
+    return owners
+
+
+def owning_optimizer(optimizers, params: Iterable[torch.Tensor], who: str) -> torch.optim.Optimizer:
+    """The one optimizer among ``optimizers`` that steps ``params`` (:func:`owning_optimizers` when
+    several may)."""
+    owners = owning_optimizers(optimizers, params, who)
     if len(owners) > 1:
         raise GaugeError(
-            f"{who}: the attention parameters are split over {len(owners)} optimizers; keep every Q/K/V/O tensor "
-            "(weights, biases, multipliers) in one optimizer (other parameters may use others)"
+            f"{who}: the attention parameters are split over {len(owners)} optimizers; this needs the one that steps "
+            "them all (owning_optimizers and StepCounter.watch take several)"
         )
     return owners[0]
 
@@ -145,7 +171,9 @@ class StepCounter:
         self.optimizer_steps = 0
         self.sites: list[AttentionSite] = []
         self._module: nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._round: list[int] = []  # ids of the optimizers that stepped in the open round
         self._handles: list = []
         self._pending: dict[str, float] = {}
 
@@ -175,40 +203,49 @@ class StepCounter:
     def check_conflicts(self, optimizers) -> None:
         """Refuse an optimizer that already does this callback's job (see the subclasses)."""
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hook ``optimizer``'s steps (removing earlier hooks); with other counters on the same
-        optimizer, projections' hooks run before the others' whatever the order of attaching."""
+    def attach(self, optimizer) -> None:
+        """Hook the steps of ``optimizer`` — one, or a list of the optimizers that own the parameters
+        (removing earlier hooks); with other counters on the same optimizer, projections' hooks run
+        before the others' whatever the order of attaching. Several optimizers step in rounds (module
+        docstring)."""
         self.detach()
-        self._optimizer = optimizer
-        peers = _ATTACHED.setdefault(optimizer, [])
-        peers.append(self)
-        for c in peers:
-            c._unhook()
-        for c in sorted(peers, key=lambda c: c.hook_rank):  # stable: attach order within a rank
-            c._handles = [
-                optimizer.register_step_pre_hook(c._pre_step),
-                optimizer.register_step_post_hook(c._post_step),
-            ]
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        self._optimizers, self._optimizer, self._round = optimizers, optimizers[0], []
+        for opt in optimizers:
+            peers = _ATTACHED.setdefault(opt, [])
+            peers.append(self)
+            for c in peers:
+                c._unhook(opt)
+            for c in sorted(peers, key=lambda c: c.hook_rank):  # stable: attach order within a rank
+                c._handles += [
+                    (opt, opt.register_step_pre_hook(c._pre_step)),
+                    (opt, opt.register_step_post_hook(c._post_step)),
+                ]
 
     def detach(self) -> None:
         """Remove the step hooks."""
         self._unhook()
-        if self._optimizer is not None and self in _ATTACHED.get(self._optimizer, ()):
-            _ATTACHED[self._optimizer].remove(self)
+        for opt in self._optimizers:
+            if self in _ATTACHED.get(opt, ()):
+                _ATTACHED[opt].remove(self)
 
-    def _unhook(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+    def _unhook(self, optimizer=None) -> None:
+        keep = []
+        for opt, h in self._handles:
+            if optimizer is None or opt is optimizer:
+                h.remove()
+            else:
+                keep.append((opt, h))
+        self._handles = keep
 
     def watch(self, model: nn.Module | Sequence[nn.Module], optimizers) -> "StepCounter":
-        """:meth:`bind` ``model`` (or a list of model parts), check ``optimizers`` for conflicts and
-        :meth:`attach` the one owning the attention parameters; returns ``self``."""
+        """:meth:`bind` ``model`` (or a list of model parts), check ``optimizers`` (one or several)
+        for conflicts and :meth:`attach` those owning the watched parameters; returns ``self``."""
         if isinstance(model, (list, tuple)):
             model = nn.ModuleList(model)
         self.bind(model)
         self.check_conflicts(optimizers)
-        self.attach(owning_optimizer(optimizers, self.watched_params(), type(self).__name__))
+        self.attach(owning_optimizers(optimizers, self.watched_params(), type(self).__name__))
         return self
 
     # -- the certificate -------------------------------------------------------------------
@@ -239,13 +276,26 @@ class StepCounter:
 
     # -- the hooks -------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        pass
+        if not self._round:  # the first step of a round
+            self._begin_round(optimizer, args, kwargs)
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         self.finish_certificate()  # loops without a hook between the forward and the step
+        if id(optimizer) not in self._round:
+            self._round.append(id(optimizer))
+        if len(self._round) < len(self._optimizers):
+            return  # another owner has still to step in this round
+        self._round = []
+        self._end_round(optimizer)
         self.optimizer_steps += 1
         if self.should_run(self.optimizer_steps):
             self._pending.update(self._act(optimizer))
+
+    def _begin_round(self, optimizer, args, kwargs) -> None:
+        """Before the first optimizer of a round steps (every step with one optimizer)."""
+
+    def _end_round(self, optimizer) -> None:
+        """After the last optimizer of a round stepped, before :meth:`_act`."""
 
     def _act(self, optimizer) -> dict[str, float]:
         return {}
@@ -319,14 +369,33 @@ class FixSteps(StepCounter):
         opts = self.options
         plan_pairs(sites, kinds=("qk", "vo") if opts["vo"] else ("qk",), granularity=opts["granularity"],
                    vo_granularity=opts["vo_granularity"], mode=opts["mode"])  # the refusals, now
-        self._fixer = None  # bound to (new) sites: plan again at the first fix
+        self._fixer = None  # bound to (new) sites: built again when the optimizers are attached
+        if self._optimizers:  # records changed after attaching (model surgery): plan the fixer again now
+            want = self._optimizers if self.options["transport_state"] else None
+            self._fixer = GaugeFixer(self._module, want, sites=sites, check_first_step=False, **self.options)
+
+    def attach(self, optimizer) -> None:
+        """Hook the owners' steps and build the fixer over them now, so that their state is
+        classified at set-up (or right after their first step), not at step ``every``."""
+        super().attach(optimizer)
+        want = self._optimizers if self.options["transport_state"] else None
+        self._fixer = GaugeFixer(self._module, want, sites=self.sites, check_first_step=False, **self.options)
+        self._state_checked = False
 
     def _fixer_for(self, optimizer) -> GaugeFixer:
-        """One :class:`~gaugeopt.fix.gaugefix.GaugeFixer` per optimizer: planned once, kernel tables reused."""
-        want = optimizer if self.options["transport_state"] else None
-        if self._fixer is None or self._fixer.optimizer is not want:
-            self._fixer = GaugeFixer(self._module, want, sites=self.sites, **self.options)
+        """The :class:`~gaugeopt.fix.gaugefix.GaugeFixer` over the attached optimizers: planned once,
+        kernel tables reused."""
+        if self._fixer is None:
+            want = (self._optimizers or [optimizer]) if self.options["transport_state"] else None
+            self._fixer = GaugeFixer(self._module, want, sites=self.sites, check_first_step=False, **self.options)
         return self._fixer
+
+    def _end_round(self, optimizer) -> None:
+        """After the first round, classify the state its steps created: an unknown key is refused
+        now, not at step ``every``."""
+        if not getattr(self, "_state_checked", True) and self._fixer is not None:
+            self._state_checked = True
+            self._fixer.check_state()
 
     def check_conflicts(self, optimizers) -> None:
         """A :class:`gaugeopt.GaugeProjected` with ``fix_every`` already fixes: refuse fixing twice."""
@@ -443,7 +512,9 @@ class ProjectSteps(StepCounter):
         self.finish_certificate()
         self._norms = remove_vertical_grad_(self.projector, self._module)
 
-    def _pre_step(self, optimizer, args, kwargs) -> None:
+    def _begin_round(self, optimizer, args, kwargs) -> None:
+        """Before the round's first step: snapshot the gauge parameters, or project the gradients
+        (all of them: every owner's are final here)."""
         from gaugeopt.projection.step import snapshot
 
         if self.target == "update":
@@ -451,14 +522,13 @@ class ProjectSteps(StepCounter):
         elif not _has_closure(args, kwargs):
             self.project_grads()
 
-    def _post_step(self, optimizer, args, kwargs) -> None:
+    def _end_round(self, optimizer) -> None:
+        """After the round's last step: project the whole update the owners took."""
         from gaugeopt.projection.step import remove_vertical_update_
 
-        self.finish_certificate()
         if self.target == "update" and self._before is not None:
             self._norms = remove_vertical_update_(self.projector, self._module, self._before)
             self._before = None
-        super()._post_step(optimizer, args, kwargs)
 
     def _act(self, optimizer) -> dict[str, float]:
         from gaugeopt.projection.step import vertical_fraction_of

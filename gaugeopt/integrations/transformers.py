@@ -55,7 +55,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizer
+from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizers
 
 __all__ = ["GaugeFixCallback", "GaugeProjectionCallback"]
 
@@ -108,12 +108,11 @@ class _TrainerSide(TrainerCallback, ExportableState):
         if model is not self._module:
             self.bind(model)
         self.check_conflicts(optimizer)
-        self.attach(owning_optimizer(optimizer, self.watched_params(), type(self).__name__))
+        self.attach(owning_optimizers(optimizer, self.watched_params(), type(self).__name__))
         _log_before_the_loggers(self, sys._getframe(1))
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.begin_certificate()  # the records' proof, on this step's forward, where gaugeopt needs one
-
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._pending:
