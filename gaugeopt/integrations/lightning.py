@@ -28,14 +28,14 @@ of the optimizer state.
 **Checkpoints.** ``state_dict`` holds the step and fix counters only; a resumed run continues
 bit-identically (on CPU) to an uninterrupted one.
 
-**Certificate.** Records from built-in adapters are verified by the test suite; any other record
-(your :class:`gaugeopt.AttentionSpec` or ``register_adapter``) is certified on the first training
-batch (``certify=True``, the default): the callback records the real call of each such attention
-module during that batch's forward — the batch exactly as your ``training_step`` feeds it — and
-runs :func:`gaugeopt.certify`'s checks on those calls before the first optimizer step. A record
-that fails stops the run with a :class:`~gaugeopt.errors.GaugeError` naming the layer and sector.
-With ``certify=False`` such records are refused at ``setup`` unless the model was certified
-already (``gaugeopt.certify(model, example_batch)``).
+**Certificate.** No record is used before it is proved on the model as it is now
+(:mod:`gaugeopt.structure.gate`, ``docs/trust.md``). With ``certify=True`` (the default) the
+callback proves the records at ``setup`` on an input gaugeopt makes up for the models it knows, or
+else records each attention module's real call during the first training batch's forward — the batch
+exactly as your ``training_step`` feeds it — and proves the records before the first optimizer step.
+A record that fails stops the run with a :class:`~gaugeopt.errors.GaugeError` naming the layer and
+sector. With ``certify=False`` records without a proof are refused at ``setup`` unless the model was
+certified already (``gaugeopt.certify(model, example_batch)``).
 
 Example:
     >>> import lightning.pytorch as pl
@@ -203,7 +203,7 @@ class GaugeProjection(ProjectSteps, _StepCounter):
         log_every: log ``{prefix}vertical_fraction_{target}`` (the fraction removed) every this
             many optimizer steps; reading it is the only host synchronisation.
         sites: attention sites (default: ``find_attention(pl_module)``).
-        certify: certify unverified records on the first training batch (as :class:`GaugeFix`).
+        certify: prove the records at ``setup`` or on the first training batch (as :class:`GaugeFix`).
         projector_kwargs: extra options for :class:`gaugeopt.GaugeProjector`.
 
     Example:

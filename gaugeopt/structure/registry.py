@@ -8,10 +8,11 @@ by its structure and the source of its ``forward`` instead. A module that looks 
 (by class name) and that no adapter claims makes :func:`find_attention` refuse the model: a
 silent partial result would leave that layer's gauge unfixed.
 
-Built-in adapters are *verified*: the test suite checks every gauge action on their classes.
-:func:`find_attention` marks their records ``verified=True``; a record from any other adapter
-(:func:`register_adapter`, :class:`gaugeopt.AttentionSpec`) must pass :func:`gaugeopt.certify`
-on the model before a gauge operation changes parameters through it. An attention class absent
+Built-in adapters are *verified*: the test suite checks every gauge action on their classes, and
+:func:`find_attention` marks their records ``verified=True`` (their code must then be the library's
+own: :mod:`gaugeopt.structure.static_checks`). Every record — verified or not — is proved on the
+model by the certificate before a gauge operation uses it (:mod:`gaugeopt.structure.gate`). A
+module whose class subclasses a supported class is refused, never skipped. An attention class absent
 from the table whose ``forward`` and everything it reaches are a renamed copy of a verified class's
 (:mod:`gaugeopt.structure.recognise`) is handled by that class's adapter, unverified.
 """
@@ -53,8 +54,8 @@ def register_adapter(cls: type, adapter: Adapter) -> None:
     ``cls`` instance at qualified name ``name`` in ``root``) or raises :class:`GaugeError`
     naming a feature it does not handle. Matching is by exact class: a subclass must be
     registered on its own, because it may change ``forward``. :class:`gaugeopt.AttentionSpec`
-    writes the adapter for you (``spec.register(cls)``). Records from a registered adapter are
-    uncertified until :func:`gaugeopt.certify` passes on the model.
+    writes the adapter for you (``spec.register(cls)``). Records from a registered adapter are proved
+    on the model before a gauge operation uses them, like every record (:mod:`gaugeopt.structure.gate`).
 
     Example:
         >>> import torch.nn as nn, gaugeopt

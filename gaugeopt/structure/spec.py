@@ -35,8 +35,10 @@ register the spec on the parent that calls both (``BertAttention``, with ``o="ou
 so that the module's output includes the output projection — that output is what
 :func:`gaugeopt.certify` compares.
 
-A spec vouches for nothing by itself: a record it builds for your class is *uncertified* until
-:func:`gaugeopt.certify` has rerun the module under random gauge transformations on your model.
+A spec vouches for nothing by itself: a record it builds for your class is used only once the
+certificate has rerun the module under random gauge transformations on your model — automatically
+at the first gauge operation where gaugeopt can run the model, or by :func:`gaugeopt.certify`
+(:mod:`gaugeopt.structure.gate`).
 
 Example:
     >>> import torch, torch.nn as nn, gaugeopt
