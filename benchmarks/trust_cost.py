@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import platform
 import statistics
 import time
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> str:
     rows = [measure("GPT-2 124M", gpt2, args.quick, repeats),
             measure("Llama-3.2-1B shape", llama_1b, args.quick, repeats, whole=args.quick)]
     text = table(rows)
-    machine = f"{platform.processor() or platform.machine()}, {args.threads} threads, torch {torch.__version__}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads, torch "
+               f"{torch.__version__}; load average {load} at the end of the run (other jobs share the cores)")
     report = f"# The cost of trust ({'quick' if args.quick else 'full'} run)\n\nMachine: {machine}.\n\n{text}\n"
     print(report)
     out = args.out or (None if args.quick else RESULTS / "trust_cost_cpu.md")
