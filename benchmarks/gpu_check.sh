@@ -3,11 +3,13 @@
 #   1. install (30 s)            editable install, or a sitecustomize shim mapping gaugeopt.kernels onto kernels/
 #   2. tests (100 s)             the CUDA tests: Triton kernels in float32/bf16/fp16, dispatch, the dense
 #                                projection's CUDA layout against float64 on CPU
-#   3. speed (210 s)             benchmarks/speed.py --device cuda: every model shape and op, ratios to one fused
+#   3. speed (180 s)             benchmarks/speed.py --device cuda: every model shape and op, ratios to one fused
 #                                AdamW step, GB/s against a measured copy, LRM/plain tokens/s under
 #                                torch.compile + bf16 (gpt2-124m); stops starting rows after BENCH_BUDGET_S
 #   4. bf16 drift (110 s)        benchmarks/bf16_drift_training.py: GPT-2 124M with LRM, condition C, 300 steps,
 #                                float32 vs bf16 autocast, Q/K and V/O drift every 10 steps
+#   5. trust (60 s)              benchmarks/trust_cost.py --device cuda: the one-time proof of GPT-2 124M and a
+#                                Llama-3.2-1B-shaped model, the static checks, the per-step re-check vs fused AdamW
 #
 # Hardware: one CUDA GPU (written for an H100 80GB or H200; llama-gqa runs 4 of its 32 layers so that
 # fp32 AdamW state fits). Image: torch + triton + pytest (+ lightning, transformers for the test zoo).
@@ -24,9 +26,10 @@ OUT=${OUT:-benchmarks/results/gpu}
 PY=${PYTHON:-python3}
 INSTALL_TIMEOUT=${INSTALL_TIMEOUT:-30}
 TEST_TIMEOUT=${TEST_TIMEOUT:-100}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-210}
-BENCH_BUDGET_S=${BENCH_BUDGET_S:-170}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-180}
+BENCH_BUDGET_S=${BENCH_BUDGET_S:-145}
 DRIFT_TIMEOUT=${DRIFT_TIMEOUT:-110}
+TRUST_TIMEOUT=${TRUST_TIMEOUT:-60}
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -89,3 +92,9 @@ for md in "$OUT"/speed_*.md; do [ -f "$md" ] && { echo "==================== $md
 echo "==================== bf16 drift"
 cat "$OUT/drift.log"
 ls -la "$OUT"
+
+# ---------------------------------------------------------------- 5. the cost of trust (proof, checks, re-check)
+t0=$SECONDS
+timeout "$TRUST_TIMEOUT" $PY benchmarks/trust_cost.py --device cuda --out "$OUT/trust_cost_$DEV.md" > "$OUT/trust.log" 2>&1
+rc=$?
+status trust "$(grep -c '^| [GL]' "$OUT/trust.log") rows" $rc $((SECONDS - t0))

@@ -22,6 +22,7 @@ SwiGLU 8192, vocabulary 128256; float32, random weights — the proof does not l
 Run:
     python benchmarks/trust_cost.py            # both models, a few minutes on 2 cores, ~12 GB
     python benchmarks/trust_cost.py --quick    # tiny models, seconds (tests/test_benchmarks.py)
+    python benchmarks/trust_cost.py --device cuda   # on one GPU (benchmarks/gpu_check.sh)
 
 Results: ``benchmarks/results/trust_cost_<machine>.md`` (and the table printed).
 """
@@ -32,6 +33,7 @@ import argparse
 import gc
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -79,8 +81,14 @@ def _clock() -> float:
     return time.perf_counter()
 
 
-def measure(name: str, build, quick: bool, repeats: int, whole: bool = True) -> dict:
-    model = build(quick)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(name: str, build, quick: bool, repeats: int, whole: bool = True, device: str = "cpu") -> dict:
+    dev = torch.device(device)
+    model = build(quick).to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     t0 = _clock()
     sites = trusted_sites(model, "benchmark")
@@ -97,13 +105,15 @@ def measure(name: str, build, quick: bool, repeats: int, whole: bool = True) -> 
         ensure.append(_clock() - t0)
         assert not changed
     stepped = list(model.parameters()) if whole else [ref.param for s in sites for _, ref in s.refs()]
-    opt = torch.optim.AdamW(stepped, lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(stepped, lr=1e-4, **({"fused": True} if dev.type == "cuda" else {"foreach": True}))
     for p in stepped:
         p.grad = torch.randn_like(p) * 1e-3
     steps = []
     for _ in range(repeats):
+        _sync(dev)
         t0 = _clock()
         opt.step()
+        _sync(dev)
         steps.append(_clock() - t0)
     del opt, model
     gc.collect()
@@ -128,21 +138,27 @@ def main(argv: list[str] | None = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the proof's float64 reruns run there too)")
     ap.add_argument("--out", type=Path, default=None, help="where to write the markdown table")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 5
     # the 1B model's whole AdamW state would not fit beside it in 24 GB: its step is timed over the attention
     # parameters only, which makes its ratio an upper bound
-    rows = [measure("GPT-2 124M", gpt2, args.quick, repeats),
-            measure("Llama-3.2-1B shape", llama_1b, args.quick, repeats, whole=args.quick)]
+    cuda = args.device.startswith("cuda")
+    rows = [measure("GPT-2 124M", gpt2, args.quick, repeats, device=args.device),
+            measure("Llama-3.2-1B shape", llama_1b, args.quick, repeats, whole=args.quick or cuda, device=args.device)]
     text = table(rows)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads, torch "
-               f"{torch.__version__}; load average {load} at the end of the run (other jobs share the cores)")
+    if cuda:
+        machine = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    else:
+        machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} threads, torch "
+                   f"{torch.__version__}; load average {load} at the end of the run (other jobs share the cores)")
     report = f"# The cost of trust ({'quick' if args.quick else 'full'} run)\n\nMachine: {machine}.\n\n{text}\n"
     print(report)
-    out = args.out or (None if args.quick else RESULTS / "trust_cost_cpu.md")
+    tag = "cpu" if not cuda else re.sub("[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    out = args.out or (None if args.quick else RESULTS / f"trust_cost_{tag}.md")
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report)

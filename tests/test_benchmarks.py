@@ -72,3 +72,14 @@ def test_approximate_state_smoke(tmp_path):
     rows = json.loads((tmp_path / "approx.json").read_text())["rows"]
     assert set(rows) == set(approx.CASES)
     assert all(r["gaugeopt_1"] >= 0 for r in rows.values())
+
+
+def test_trust_cost_smoke(tmp_path):
+    """The cost-of-trust benchmark runs on tiny models and reports every column; the re-check is far
+    below a step (a ratio, not a timing assertion: the numbers are the benchmark's own output)."""
+    trust = _load("trust_cost")
+    out = tmp_path / "trust.md"
+    report = trust.main(["--quick", "--out", str(out)])
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| GPT-2") or line.startswith("| Llama")]
+    assert len(rows) == 2 and report.startswith("# The cost of trust")
+    assert all(len(r.split("|")) == 10 for r in rows)
