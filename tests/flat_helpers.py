@@ -110,7 +110,26 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
     return model, covering_tokens(vocab, LENGTH, suggested_sequences(model, vocab, LENGTH), seed=seed)
 
 
+def as_logits(out) -> torch.Tensor:
+    """The logits of a model output (``.logits``, else the first element of a tuple)."""
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
 def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        out = model(x)
-    return out.logits if hasattr(out, "logits") else out[0]
+        return as_logits(model(x))
+
+
+def build_llama(seed: int = 0, **kw) -> tuple[nn.Module, torch.Tensor]:
+    """A tiny float64 HF ``LlamaForCausalLM`` (untied) with generic weights and covering inputs; ``kw``
+    overrides its config (``hidden_size``, ``head_dim``, …)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=8,
+               vocab_size=11, max_position_embeddings=16, pad_token_id=None, bos_token_id=0, eos_token_id=0,
+               attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **kw})).double().eval()
+    randomize_parameters(model, torch.Generator().manual_seed(seed))
+    vocab, _ = context_length(model)
+    return model, covering_tokens(vocab, LENGTH, suggested_sequences(model, vocab, LENGTH), seed=seed)
