@@ -248,21 +248,42 @@ def stream_shape(model_or_config: Any) -> StreamShape:
         return StreamShape(_get(cfg, "n_layer", "num_hidden_layers"), d, _get(cfg, "n_inner") or 4 * d, _get(cfg, "vocab_size"),
                            _get(cfg, "n_positions"), "layernorm", act, bool(_get(cfg, "tie_word_embeddings", default=True)),
                            True, True, True)
-    if model_type in ("llama", "mistral", "qwen2"):
-        act = _get(cfg, "hidden_act", default="silu")
+    if model_type == "gemma3":  # the multimodal config keeps the language model's in text_config
+        text = _get(cfg, "text_config")
+        if text is None:
+            raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
+        return stream_shape(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
+    if model_type in _STREAM_LAYOUTS:
+        act_key, default_act, pre, post, tied = _STREAM_LAYOUTS[model_type]
+        act = _get(cfg, act_key, default=default_act)
         missing = [k for k in ("vocab_size", "intermediate_size") if _get(cfg, k) is None]
-        if act != "silu" or missing:
+        if act not in _GATED or missing:
             raise GaugeError(f"gauge_dimension(convention='complete'): a {model_type} config needs "
-                             + (f"{' and '.join(missing)}" if missing else f"hidden_act='silu' (SwiGLU), not {act!r}"))
+                             + (f"{' and '.join(missing)}" if missing else
+                                f"{act_key} in {sorted(_GATED)} (a gated MLP), not {act!r}"))
         mlp_bias = bool(_get(cfg, "mlp_bias", default=False))
         return StreamShape(_get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"),
-                           _get(cfg, "vocab_size"), 0, "rmsnorm", "swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)),
-                           False, mlp_bias, mlp_bias)
+                           _get(cfg, "vocab_size"), 0, "rmsnorm", _GATED[act],
+                           bool(_get(cfg, "tie_word_embeddings", default=tied)), False, mlp_bias, mlp_bias,
+                           pre_norms=pre, post_norms=post)
     raise GaugeError(
         f"gauge_dimension(convention='complete'): no residual-stream description for model_type={model_type!r} "
-        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and gpt2/llama/mistral/qwen2 "
-        "(models or configs); 'wang' counts the attention gauges of any model"
+        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and "
+        f"gpt2/{'/'.join(_STREAM_LAYOUTS)} (models or configs); 'wang' counts the attention gauges of any model"
     )
+
+
+# model_type -> (activation key, its default, pre-norms, post-norms, tied by default): the block layouts of
+# gaugeopt.structure.stream (Llama's pre-norm blocks; OLMo 2's post-norms only; Gemma 3's both)
+_STREAM_LAYOUTS = {
+    "llama": ("hidden_act", "silu", True, False, False),
+    "mistral": ("hidden_act", "silu", True, False, False),
+    "qwen2": ("hidden_act", "silu", True, False, False),
+    "qwen3": ("hidden_act", "silu", True, False, False),
+    "olmo2": ("hidden_act", "silu", False, True, False),
+    "gemma3_text": ("hidden_activation", "gelu_pytorch_tanh", True, True, True),
+}
+_GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu": "geglu"}
 
 
 def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int]:
@@ -274,7 +295,7 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
             counts[key] = counts.get(key, 0) + n
 
     d, ln = st.d_model, st.norm == "layernorm"
-    mlp_inputs = 2 if st.activation == "swiglu" else 1
+    mlp_inputs = 2 if st.activation in ("swiglu", "geglu") else 1
     for s in shapes:
         if s.qk_norm is None:
             add("qk", s.h_kv * s.rope.qk_gauge_dim(s.d_k))
@@ -284,14 +305,14 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
         add("vo", s.h_kv * s.d_v**2)
         for key, n in s.bias_sectors().items():
             add(key, n)
-        add("norm_gain", 2 * d)
+        add("norm_gain", 2 * d if st.pre_norms else 0)  # a pre-norm's gain against its readers; post-norms: none
         if ln:
             add("norm_bias", 2 * d if st.norm_bias else 0)
             readers = [(s.h * s.d_k, s.qk_bias), (s.h_kv * s.d_k, s.k_bias), (s.h_kv * s.d_v, s.v_bias)]
             readers += [(st.d_ff, st.mlp_in_bias)] * mlp_inputs
             add("norm_meanfree", sum(rows for rows, biased in readers if biased or not st.norm_bias))
             add("residual_ones", s.h * s.d_v + s.o_bias + st.d_ff + st.mlp_out_bias)
-        if st.activation in ("swiglu", "relu"):
+        if st.activation in ("swiglu", "geglu", "relu"):
             add("mlp_scale", st.d_ff)
     if ln:
         add("residual_ones", st.positions + (0 if st.tied else st.vocab))
@@ -305,7 +326,8 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
         if ln:
             add("norm_bias", d if st.norm_bias else 0)
             add("norm_meanfree", st.vocab if (st.head_bias or not st.norm_bias) else 0)
-        add("residual_rotation", (d - 1) * (d - 2) // 2 if ln else d * (d - 1) // 2)
+        if not st.post_norms:  # a post-norm's output γ ⊙ ν(y) does not rotate (stream_sectors)
+            add("residual_rotation", (d - 1) * (d - 2) // 2 if ln else d * (d - 1) // 2)
     return counts
 
 
