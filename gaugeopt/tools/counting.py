@@ -18,7 +18,8 @@ a model has (the nullity of its logits' Jacobian, measured by :func:`gaugeopt.fl
 
 ``convention="complete"``: every exact continuous symmetry gaugeopt knows, for the models whose
     residual stream it understands (:func:`gaugeopt.structure.stream.find_stream`: gaugeopt's GPT,
-    Hugging Face GPT-2 and the Llama family; configs of those). Per layer: ``qk`` and ``vo`` as
+    Hugging Face GPT-2, the Llama family and the QK-norm families Qwen3, OLMo 2, Gemma 3; configs of
+    those). Per layer: ``qk`` and ``vo`` as
     ``"wang"``; the bias sectors ``key_bias`` ``h_kv(d_k − r)`` and ``value_bias`` ``h_kv·d_v``
     (:mod:`gaugeopt.structure.bias`); ``norm_gain`` ``d`` per norm; with LayerNorm ``norm_bias``
     ``d`` per norm with a bias, ``norm_meanfree`` the rows of every reader of the norm (when the norm
@@ -28,11 +29,19 @@ a model has (the nullity of its logits' Jacobian, measured by :func:`gaugeopt.fl
     (+ ``V`` with an untied head); ``embedding_shift`` ``d − [LayerNorm]`` (untied, learned
     positions) or ``1`` (tied, LayerNorm without a final bias); with an untied head the final norm's
     ``norm_gain`` ``d``, ``norm_bias`` ``d``, ``norm_meanfree`` ``V`` (no final bias or a head bias),
-    and ``residual_rotation`` ``d(d−1)/2`` (RMSNorm) or ``(d−1)(d−2)/2`` (LayerNorm). The
-    derivations are in :mod:`gaugeopt.structure.stream_sectors`. It equals the measured nullity on
-    generic weights, with the logits as the output and inputs that use every token and position
-    (``tests/test_flat.py``). GPT-2 small: 1,346,584 — of paper 003's 293,761 rotations none is a
-    symmetry of the tied model.
+    and ``residual_rotation`` ``d(d−1)/2`` (RMSNorm) or ``(d−1)(d−2)/2`` (LayerNorm). Blocks that
+    normalise their outputs (OLMo 2 without pre-norms, Gemma 3 with both) have no gain sector for those
+    post-norms and no rotations; a QK-norm layer counts its gain gauge instead of ``qk`` (below). The
+    derivations are in :mod:`gaugeopt.structure.stream_sectors` and docs/qk_norm.md. It equals the
+    measured nullity on generic weights, with the logits as the output and inputs that use every token
+    and position (``tests/test_flat.py``). GPT-2 small: 1,346,584 — of paper 003's 293,761 rotations
+    none is a symmetry of the tied model; Qwen3-0.6B: 3,815,168.
+
+    *Logits, not log-probabilities.* The cross-entropy's Gauss–Newton (Fisher) metric has the null
+    space of the log-probabilities' Jacobian, which also contains a change common to every logit of a
+    position: ``d`` more directions with an untied head (``W_head += 1vᵀ``) or learned positions
+    (``wte += 1vᵀ``, ``wpe −= 1vᵀ``), none for a tied head under RoPE (docs/errata.md, row 6). The
+    complete count does not include them.
 
 With GQA every count uses the KV groups (``h_kv``), which is where the symmetry lives. A model
 with learnable multipliers has one more family, the internal ``r·W̄·c`` rescalings of every
@@ -48,7 +57,8 @@ direction of every query and key head's rows, ``(h + h_kv)·(d_model [+ 1 with b
 RoPE the key bias (``d_k``), one query-bias shift and one centred rotation. With ``eps = 0`` every
 head (per-head norm) or each side (full-width norm) gains a positive scale (``"qk_head_scale"``).
 Qwen3-0.6B: ``"wang"`` ``28·(64 + 8·128²) = 3,671,808``; ``"van_nierop"`` ``28·(128 + 8·128²) +
-1023·1022/2 = 4,196,353``.
+1023·1022/2 = 4,196,353`` — whose rotations are not symmetries of that tied model; ``"complete"``
+``28·(64 + 8·128² + 2·1024 + 3072) = 3,815,168``.
 
 Example:
     >>> from gaugeopt import gauge_dimension
@@ -221,7 +231,8 @@ def _lrm_internal(model: Any) -> int:
 def stream_shape(model_or_config: Any) -> StreamShape:
     """The :class:`~gaugeopt.structure.stream.StreamShape` of a model (via
     :func:`~gaugeopt.structure.stream.find_stream`) or a config: :class:`gaugeopt.models.GPTConfig`, or a
-    ``gpt2``/``llama``/``mistral``/``qwen2`` Hugging Face config (object or ``config.json`` dict).
+    ``gpt2``/``llama``/``mistral``/``qwen2``/``qwen3``/``olmo2``/``gemma3(_text)`` Hugging Face config
+    (object or ``config.json`` dict).
 
     Raises:
         GaugeError: a model or config whose residual stream gaugeopt does not describe.
