@@ -623,3 +623,21 @@ def test_every_claim_is_on_the_errata_page():
     page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "errata.md").read_text()
     for claim in PAPERS_CLAIM:
         assert f"| {claim} |" in page and f"test_{claim}_" in page, claim
+
+
+def test_every_page_citing_a_paper_links_the_references():
+    """docs/references.md names the five papers (title and authors) and every page that cites one links it."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    refs = (root / "docs" / "references.md").read_text()
+    for number, title in (("000", "Complete Characterization of Gauge Symmetries in Transformer Architectures"),
+                          ("001", "Bispectral Invariants for Transformers"), ("002", "GaugeFix-LRM"),
+                          ("003", "Transformer models are gauge invariant"), ("004", "Gauge Fiber Bundle Geometry of Transformers")):
+        assert re.search(rf"^\| {number} \| \*{re.escape(title)}", refs, flags=re.M), number
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    citing = [p for p in pages if re.search(r"papers? 00[0-4]", p.read_text()) and p.name != "references.md"]
+    assert len(citing) >= 8
+    for page in citing:
+        assert "references.md" in page.read_text(), page.name
