@@ -4,8 +4,10 @@
 row to the end, and at its peak one more of: a reverse-mode chunk, the ``n×n`` Gram matrix with one
 factor, the subspace block, the Rayleigh–Ritz factors or the attribution's bases
 (``gaugeopt.tools.flat_cost``). This script runs the meter on tiny Hugging Face GPT-2 models in fresh
-child processes — one run per process, so the kernel's peak resident set size (``getrusage``'s
-``ru_maxrss``) is the run's — and compares the peak above the memory held just before the call with
+child processes and reads the kernel's peak resident set size of the run (``VmHWM`` of
+``/proc/self/status``, reset just before the call through ``/proc/self/clear_refs``: ``getrusage``'s
+``ru_maxrss`` would keep the parent's peak, which survives ``fork`` and ``exec``), and compares the
+peak above the memory held just before the call with
 the estimate made before the run (the null-space block taken from the complete count) and with the
 estimate for the block the run actually used. The sizes are chosen so that each term dominates in
 turn (``J``: many outputs per parameter; the Gram matrix and its factors: about as many outputs as
@@ -24,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
@@ -42,6 +43,16 @@ POINTS = [
     (2, 2, 16, 32, 8, 30, "attribution (null space n/2)"),
 ]
 SMOKE = [(1, 2, 8, 16, 4, 0, "tiny"), (1, 2, 8, 32, 4, 20, "tiny, wider vocabulary")]
+
+
+def _rss() -> tuple[int, int]:
+    """(resident set size, its peak since the last reset) of this process, in bytes (``/proc/self/status``)."""
+    out = {}
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(("VmRSS:", "VmHWM:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out["VmRSS"], out["VmHWM"]
 
 
 def _build(L: int, H: int, D: int, V: int, length: int, n_seq: int):
@@ -78,13 +89,13 @@ def child(L: int, H: int, D: int, V: int, length: int, n_seq: int) -> dict:
     n = sum(p.numel() for p in model.parameters())
     rows = x.shape[0] * length * V
     est, _ = F.preflight(model, x, max_params=10**9, max_memory=float("inf"))  # the estimate made before a run
-    with open("/proc/self/statm") as fh:
-        before = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/clear_refs", "w") as fh:  # reset the peak to the current resident size (Linux ≥ 4.0)
+        fh.write("5")
+    before, peak_before = _rss()
     t0 = time.perf_counter()
     rep = F.flat_directions(model, x, progress=False, max_params=10**9)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    _, peak = _rss()
     return {"config": [L, H, D, V, length, x.shape[0]], "n": n, "rows": rows, "rows_per_example": length * V,
             "seconds": round(seconds, 1), "rss_before": before, "peak_before": peak_before, "peak": peak,
             "measured": peak - before, "block": est.block, "block_used": min(n, rep.inertia_count + 48),
@@ -131,8 +142,8 @@ def run(points) -> list[dict]:
 def write(rows: list[dict], stem: str) -> None:
     cpu = _cpu_name()
     lines = [f"### flat_directions memory: measured peak vs estimate_memory ({cpu}, {os.cpu_count()} cores, one thread per run)",
-             "", "Peak resident set size of the run above the memory held just before the call (`ru_maxrss`, one run per "
-             "process). Estimates: `gaugeopt.tools.flat_cost.estimate_memory` with the null-space block assumed before "
+             "", "Peak resident set size of the run above the memory held just before the call (`VmHWM`, reset just "
+             "before the call; one run per process). Estimates: `gaugeopt.tools.flat_cost.estimate_memory` with the null-space block assumed before "
              "the run (`gaugeopt.tools.flat.preflight`: the complete count, or the rank bound of too little data) and "
              "with the block the run used (the meter checks the memory again once it knows it). Seconds are wall time "
              "on a shared machine, not a speed measurement.", "",

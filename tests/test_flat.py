@@ -156,7 +156,8 @@ def test_a_float32_step_is_reported_not_hidden():
 QK_NORM_NULLITY = {"qwen3": 152, "qwen3_tied": 116, "olmo2": 44, "gemma3": 116, "gemma3_untied": 124}
 
 
-@pytest.mark.parametrize("name", list(QK_NORM_NULLITY))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("qwen3_tied", "gemma3_untied") else n
+                                  for n in QK_NORM_NULLITY])  # one of each family in the fast suite
 def test_nullity_equals_complete_count_qk_norm_families(name):
     """Hugging Face Qwen3 (tied and untied), OLMo 2 (post-norms only) and Gemma 3 (pre- and post-norms, gains
     1 + w, GeGLU; tied and untied), their RMSNorms computed in float64 inside the meter's forward_context
