@@ -109,6 +109,32 @@ MODELS = {
 ACCEPTANCE = ("hf_gpt2", "hf_gpt2_untied", "hf_llama", "gpt", "gpt_nobias", "gpt+lrm")
 
 
+def _qk_norm(name: str) -> nn.Module:
+    """Tiny Hugging Face QK-norm models: ``d = 8``, 4 query and 2 KV heads of width 4 (two RoPE planes)."""
+    import transformers
+
+    common = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=8,
+                  vocab_size=11, max_position_embeddings=16, pad_token_id=None, bos_token_id=0, eos_token_id=0,
+                  attn_implementation="sdpa")
+    tied = name.endswith("_tied") or (name.startswith("gemma3") and not name.endswith("_untied"))
+    if name.startswith("qwen3"):
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=4, tie_word_embeddings=tied, **common))
+    if name == "olmo2":
+        return transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**common))
+    # ε = 1e-3: the global rescale of the stream, broken only by ε, then sits clear of the null space
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(head_dim=4, query_pre_attn_scalar=4, rms_norm_eps=1e-3,
+                                                                        tie_word_embeddings=tied, **common))
+
+
+def build_qk_norm(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    """``(model, tokens)`` for :func:`_qk_norm`'s ``qwen3``, ``qwen3_tied``, ``olmo2``, ``gemma3``, ``gemma3_untied``."""
+    torch.manual_seed(seed)
+    model = _qk_norm(name).double().eval()
+    randomize_parameters(model, torch.Generator().manual_seed(seed))
+    vocab, _ = context_length(model)
+    return model, covering_tokens(vocab, LENGTH, suggested_sequences(model, vocab, LENGTH), seed=seed)
+
+
 def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
     """``(model, tokens)``: the float64 model with generic parameters and covering inputs."""
     torch.manual_seed(seed)
@@ -118,7 +144,26 @@ def build(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
     return model, covering_tokens(vocab, LENGTH, suggested_sequences(model, vocab, LENGTH), seed=seed)
 
 
+def as_logits(out) -> torch.Tensor:
+    """The logits of a model output (``.logits``, else the first element of a tuple)."""
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
 def logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        out = model(x)
-    return out.logits if hasattr(out, "logits") else out[0]
+        return as_logits(model(x))
+
+
+def build_llama(seed: int = 0, **kw) -> tuple[nn.Module, torch.Tensor]:
+    """A tiny float64 HF ``LlamaForCausalLM`` (untied) with generic weights and covering inputs; ``kw``
+    overrides its config (``hidden_size``, ``head_dim``, …)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = dict(hidden_size=8, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=8,
+               vocab_size=11, max_position_embeddings=16, pad_token_id=None, bos_token_id=0, eos_token_id=0,
+               attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**cfg, **kw})).double().eval()
+    randomize_parameters(model, torch.Generator().manual_seed(seed))
+    vocab, _ = context_length(model)
+    return model, covering_tokens(vocab, LENGTH, suggested_sequences(model, vocab, LENGTH), seed=seed)

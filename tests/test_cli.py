@@ -104,6 +104,10 @@ def test_flat_measures_a_config_and_a_checkpoint(capsys, tmp_path):
     assert "flat_directions: Jacobian" not in err  # small models print no progress
     rc, out, err = run(capsys, "flat", tmp_path / "ck", "--max-params", "100")
     assert rc == 2 and out == "" and err.count("\n") == 1 and "max_params=100" in err and "gaugeopt count" in err
+    assert "of memory: the Jacobian" in err  # the refusal quotes the estimate
+    rc, out, err = run(capsys, "flat", tmp_path / "ck", "--max-memory", "0.01")
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "is allowed (max_memory)" in err
+    assert "fewer example sequences" in err
     rc, out, err = run(capsys, "flat", tmp_path / "ck", "--dtype", "float32")
     assert rc == 2 and "float64" in err
 
@@ -305,3 +309,17 @@ def test_hf_checkpoints_round_trip(ckpts):
         assert ck.model_type == {"hf": "gpt2", "llama": "llama"}[name]
     hf = ckpts["hf_case"]
     assert torch.equal(forward_logits(load_checkpoint(ckpts["root"] / "hf").model, hf.inputs), hf.logits())
+
+
+def test_flat_refuses_what_would_not_fit_before_starting(capsys, tmp_path):
+    """A 28,544-parameter GPT-2 (width 32, vocabulary 80, context 16) with max_params raised: the default
+    inputs give a 149,760-row Jacobian (32 GiB in float64) — the run a 24 GiB machine cannot hold. It is
+    refused before anything is computed, with the estimate and what to do."""
+    cfg = tmp_path / "gpt2_28k.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 80, "n_positions": 16, "n_layer": 2, "n_head": 2,
+                               "n_embd": 32}))
+    rc, out, err = run(capsys, "flat", cfg, "--max-params", "30000", "--max-memory", "24")
+    print(err)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "149,760×28,544 in float64 (31.8 GiB)" in err and "24.0 GiB is allowed (max_memory)" in err
+    assert "smaller model of the same architecture" in err and "gaugeopt count" in err

@@ -122,3 +122,53 @@ def test_complete_count_bias_sectors():
     qwen2 = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "hidden_size": 32, "intermediate_size": 64, "vocab_size": 64}
     assert not {"key_bias", "value_bias"} & set(gaugeopt.gauge_dimension(qwen2, "complete", per_symmetry=True))
+
+
+# ---------------------------------------------------------------------- the complete count of the QK-norm families
+QWEN3_0_6B = {"model_type": "qwen3", "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "hidden_size": 1024, "intermediate_size": 3072, "vocab_size": 151936,
+              "tie_word_embeddings": True, "rms_norm_eps": 1e-6}
+OLMO2_1B = {"model_type": "olmo2", "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "hidden_size": 2048, "intermediate_size": 8192, "vocab_size": 100352, "tie_word_embeddings": False,
+            "rms_norm_eps": 1e-6}
+GEMMA3_1B = {"model_type": "gemma3_text", "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+             "head_dim": 256, "hidden_size": 1152, "intermediate_size": 6912, "vocab_size": 262144,
+             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6}
+
+
+def test_complete_count_qk_norm_families():
+    """The derivation (docs/qk_norm.md, "The complete count"), term by term. Per layer: the gain gauge
+    (one factor per RoPE plane; per KV group for OLMo 2's per-head gains), GL(d_v) per KV group, the
+    SwiGLU/GeGLU rescales (d_ff), and a pre-norm's gain against its readers (d per pre-norm: Qwen3 two,
+    Gemma 3 two — its post-norms none —, OLMo 2 none). Once, with an untied head: the final norm's gain
+    (d) and, only without post-norms, the rotations of the stream (d(d−1)/2)."""
+    L, h_kv, dk, d, ff = 28, 8, 128, 1024, 3072  # Qwen3-0.6B: tied
+    qwen3 = {"qk_gain": L * dk // 2, "vo": L * h_kv * dk**2, "norm_gain": L * 2 * d, "mlp_scale": L * ff}
+    assert gaugeopt.gauge_dimension(QWEN3_0_6B, "complete", per_symmetry=True) == qwen3
+    assert sum(qwen3.values()) == 3_815_168
+    untied = gaugeopt.gauge_dimension({**QWEN3_0_6B, "tie_word_embeddings": False}, "complete", per_symmetry=True)
+    assert untied == {**qwen3, "norm_gain": qwen3["norm_gain"] + d, "residual_rotation": d * (d - 1) // 2}
+    L, h_kv, dk, d, ff = 16, 16, 128, 2048, 8192  # OLMo 2 1B: post-norms only, untied
+    olmo2 = {"qk_gain": L * h_kv * dk // 2, "vo": L * h_kv * dk**2, "mlp_scale": L * ff, "norm_gain": d}
+    assert gaugeopt.gauge_dimension(OLMO2_1B, "complete", per_symmetry=True) == olmo2
+    L, h_kv, dk, d, ff = 26, 1, 256, 1152, 6912  # Gemma 3 1B: pre- and post-norms, tied
+    gemma3 = {"qk_gain": L * dk // 2, "vo": L * h_kv * dk**2, "norm_gain": L * 2 * d, "mlp_scale": L * ff}
+    assert gaugeopt.gauge_dimension(GEMMA3_1B, "complete", per_symmetry=True) == gemma3
+    multimodal = {"model_type": "gemma3", "text_config": {k: v for k, v in GEMMA3_1B.items() if k != "model_type"}}
+    assert gaugeopt.gauge_dimension(multimodal, "complete", per_symmetry=True) == gemma3
+    with pytest.raises(GaugeError, match="gated MLP"):
+        gaugeopt.gauge_dimension({**OLMO2_1B, "hidden_act": "relu"}, "complete")
+
+
+def test_complete_count_qk_norm_model_and_config_agree():
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=64)
+    for hf, cls in ((transformers.Qwen3Config(head_dim=8, **common), transformers.Qwen3ForCausalLM),
+                    (transformers.Qwen3Config(head_dim=8, tie_word_embeddings=True, **common), transformers.Qwen3ForCausalLM),
+                    (transformers.Olmo2Config(**common), transformers.Olmo2ForCausalLM),
+                    (transformers.Gemma3TextConfig(head_dim=8, **common), transformers.Gemma3ForCausalLM),
+                    (transformers.Gemma3TextConfig(head_dim=8, tie_word_embeddings=False, **common), transformers.Gemma3ForCausalLM)):
+        from_model = gaugeopt.gauge_dimension(cls(hf), "complete", per_symmetry=True)
+        assert from_model == gaugeopt.gauge_dimension(hf, "complete", per_symmetry=True)
+        assert from_model == gaugeopt.gauge_dimension(hf.to_dict(), "complete", per_symmetry=True)

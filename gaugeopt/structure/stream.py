@@ -15,7 +15,10 @@ writers             token and position embeddings (rows), each block's attention
 norms               per block ``norm1`` (read by Q, K, V), ``norm2`` (read by the MLP's
                     up and gate projections; by the router and every expert's input
                     projection in a mixture of experts), the final norm (read by the head)
-readers             the linear layers right after a norm: ``W (out, d)`` and their biases
+readers             the linear layers right after a norm: ``W (out, d)`` and their biases;
+                    without a pre-norm (OLMo 2) the projections read the stream itself
+post-norms          a norm on a block's attention or MLP output before it is added
+                    (``post1``, ``post2``: OLMo 2, Gemma 3's "sandwich")
 head                ``(V, d)``: the token embedding itself when tied
 ==================  =====================================================================
 
@@ -24,10 +27,12 @@ Every linear is read and written through :class:`StreamLinear`, in effective ter
 ``nn.Linear`` whatever the storage (HF ``Conv1D`` is transposed by its view).
 
 :func:`find_stream` builds the record for the models whose forward it knows: gaugeopt's
-:class:`~gaugeopt.models.gpt.GPT`, Hugging Face ``GPT2LMHeadModel`` and the Llama family
+:class:`~gaugeopt.models.gpt.GPT`, Hugging Face ``GPT2LMHeadModel``, the Llama family
 (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``), gpt-oss (``GptOssForCausalLM``:
-a top-k router and stacked experts, activation ``"moe_clamped_swiglu"``) and dense DeepSeek-V2/V3
-(multi-head latent attention, whose down-projections are the readers of ``norm1``; docs/mla.md).
+a top-k router and stacked experts, activation ``"moe_clamped_swiglu"``), dense DeepSeek-V2/V3
+(multi-head latent attention, whose down-projections are the readers of ``norm1``; docs/mla.md) and
+the QK-norm families ``Qwen3ForCausalLM`` (Llama's blocks), ``Olmo2ForCausalLM`` (post-norms only)
+and ``Gemma3ForCausalLM`` (pre- and post-norms, gains ``1 + w``, a scaled embedding, GeGLU).
 Anything else is refused
 with a :class:`~gaugeopt.errors.GaugeError`: a stream sector derived for one block layout (pre-norm,
 a norm read only by linear layers) is not a symmetry of another. :class:`StreamShape` is the part a
@@ -60,8 +65,9 @@ __all__ = ["NORMS", "ACTIVATIONS", "StreamLinear", "StreamNorm", "StreamBlock", 
            "find_stream"]
 
 NORMS = ("layernorm", "rmsnorm")
-# "moe_clamped_swiglu": gpt-oss's experts, (clamp(up) + 1)·g·σ(αg) with g = clamp(gate): no rescale survives
-ACTIVATIONS = ("gelu", "swiglu", "relu", "moe_clamped_swiglu")
+# swiglu/geglu: act(W_gate y)·(W_up y), linear in W_up; "moe_clamped_swiglu": gpt-oss's experts,
+# (clamp(up) + 1)·g·σ(αg) with g = clamp(gate): no rescale survives
+ACTIVATIONS = ("gelu", "swiglu", "geglu", "relu", "moe_clamped_swiglu")
 
 
 @dataclass(frozen=True)
@@ -153,31 +159,46 @@ class ExpertLinear:
 @dataclass(frozen=True)
 class StreamNorm:
     """A norm on the residual stream: ``kind`` (``"layernorm"``/``"rmsnorm"``), its gain ``γ`` and
-    LayerNorm bias ``β`` (``None`` without), ``eps``."""
+    LayerNorm bias ``β`` (``None`` without), ``eps``; ``offset``: the gain is ``offset + stored`` (Gemma's
+    ``1 + w``)."""
 
     name: str
     kind: str
     gain: TensorRef
     bias: TensorRef | None
     eps: float
+    offset: float = 0.0
+
+    def read_gain(self) -> torch.Tensor:
+        """The effective gain ``γ = offset + stored`` (a new tensor)."""
+        return self.gain.get().detach() + self.offset
+
+    @torch.no_grad()
+    def write_gain(self, gamma: torch.Tensor) -> None:
+        """Store the effective gain ``γ`` (the offset subtracted)."""
+        self.gain.get().copy_(gamma - self.offset)
 
 
 @dataclass(frozen=True)
 class StreamBlock:
-    """One pre-norm block: ``x += attn(norm1(x))``, ``x += mlp(norm2(x))`` with
+    """One block: ``x += post1(attn(norm1(x)))``, ``x += post2(mlp(norm2(x)))`` with
     ``mlp(y) = W_down·act(W_up y [, W_gate y])`` — or, in a mixture of experts (``up``, ``down``
     ``None``), ``mlp(y) = Σ_{e ∈ top-k(W_r y + b_r)} softmax(…)_e · down_e(act(up_e y))``: the
-    ``router`` and the experts' input projections read ``norm2``, their output projections write."""
+    ``router`` and the experts' input projections read ``norm2``, their output projections write. A
+    missing norm (``None``) is the identity — a pre-norm block has no ``post1``/``post2``, OLMo 2 has no
+    ``norm1``/``norm2``, Gemma 3 has all four."""
 
     attention: AttentionSite
-    norm1: StreamNorm
-    norm2: StreamNorm
+    norm1: StreamNorm | None
+    norm2: StreamNorm | None
     up: StreamLinear | None
     gate: StreamLinear | None
     down: StreamLinear | None
     router: StreamLinear | None = None
     experts_in: tuple[ExpertLinear, ...] = ()
     experts_out: tuple[ExpertLinear, ...] = ()
+    post1: StreamNorm | None = None
+    post2: StreamNorm | None = None
 
     def mlp_readers(self) -> list:
         if self.up is None:
@@ -222,6 +243,8 @@ class StreamShape:
     head_bias: bool = False
     router_shift: int = 0  # per layer: the directions a top-k router's softmax ignores (d, + 1 with a bias)
     expert_units: int = 0  # per layer: hidden units over all experts (gpt-oss's affine up rescale, one each)
+    pre_norms: bool = True  # each block reads the stream through a norm (False: OLMo 2)
+    post_norms: bool = False  # each block normalises its outputs before adding them (OLMo 2, Gemma 3)
 
 
 @dataclass
@@ -251,8 +274,23 @@ class ResidualStream:
         return self.head is None
 
     def norms(self) -> list[StreamNorm]:
-        """Every norm, in order: ``norm1, norm2`` of each block, then the final norm."""
-        return [n for b in self.blocks for n in (b.norm1, b.norm2)] + [self.final_norm]
+        """Every norm that linear layers read, in order: ``norm1, norm2`` of each block (where present),
+        then the final norm. The post-norms (:meth:`post_norms`) are not among them."""
+        return [n for b in self.blocks for n in (b.norm1, b.norm2) if n is not None] + [self.final_norm]
+
+    def post_norms(self) -> list[StreamNorm]:
+        """The norms on the blocks' outputs (``post1``, ``post2``), in order."""
+        return [n for b in self.blocks for n in (b.post1, b.post2) if n is not None]
+
+    def raw_readers(self) -> list[StreamLinear]:
+        """The linear layers that read the stream with no norm before them (OLMo 2's projections)."""
+        out: list[StreamLinear] = []
+        for b in self.blocks:
+            if b.norm1 is None:
+                out += b.attention_readers()
+            if b.norm2 is None:
+                out += b.mlp_readers()
+        return out
 
     def readers(self, norm: StreamNorm) -> list[StreamLinear]:
         """The linear layers that read ``norm`` (an empty list for the final norm of a tied head:
@@ -277,9 +315,9 @@ class ResidualStream:
         return StreamShape(
             len(self.blocks), self.d_model, self.d_ff, self.vocab,
             0 if self.position_embedding is None else self.position_embedding.shape[0],
-            self.norm, self.activation, self.tied, b0.norm1.bias is not None,
+            self.norm, self.activation, self.tied, b0.norm1 is not None and b0.norm1.bias is not None,
             all(r.has_bias for r in b0.mlp_readers()), all(w.has_bias for w in b0.mlp_writers()),
-            self.head is not None and self.head.has_bias, router, units,
+            self.head is not None and self.head.has_bias, router, units, b0.norm1 is not None, b0.post1 is not None,
         )
 
 
@@ -307,19 +345,29 @@ def _norm(root: nn.Module, name: str) -> StreamNorm:
     if cls == "RMSNorm" and type(m).__module__ == "gaugeopt.models.gpt" or cls in _HF_RMSNORMS:
         d = m.weight.shape[0]
         eps = float(getattr(m, "eps", getattr(m, "variance_epsilon", 0.0)))
-        return StreamNorm(name, "rmsnorm", TensorRef(m, "weight", f"{name}.weight", (d,)), None, eps)
+        return StreamNorm(name, "rmsnorm", TensorRef(m, "weight", f"{name}.weight", (d,)), None, eps,
+                          1.0 if cls == "Gemma3RMSNorm" else 0.0)
     raise GaugeError(f"{name}: norm of type {type(m).__qualname__} is not one gaugeopt's stream sectors know "
-                     "(nn.LayerNorm, gaugeopt's RMSNorm, LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm)")
+                     f"(nn.LayerNorm, gaugeopt's RMSNorm, {', '.join(_HF_RMSNORMS)})")
 
 
-_HF_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "GptOssRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm")
-_HF_LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# the Hugging Face RMSNorms the stream knows (each γ ⊙ x / sqrt(mean x² + ε); Gemma's γ = 1 + w)
+_HF_RMSNORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "GptOssRMSNorm", "DeepseekV2RMSNorm",
+                "DeepseekV3RMSNorm", "Qwen3RMSNorm", "Olmo2RMSNorm", "Gemma3RMSNorm")
+_HF_LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _HF_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# the QK-norm families with other block layouts: (pre-norm names or None, post-norm names, activation config key)
+_HF_POST_NORM = {
+    "Olmo2ForCausalLM": (None, ("post_attention_layernorm", "post_feedforward_layernorm"), "hidden_act"),
+    "Gemma3ForCausalLM": (("input_layernorm", "pre_feedforward_layernorm"),
+                          ("post_attention_layernorm", "post_feedforward_layernorm"), "hidden_activation"),
+}
+_GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu": "geglu"}
 
 
 def _embedding(root: nn.Module, name: str) -> TensorRef:
     m = root.get_submodule(name)
-    if type(m) is not nn.Embedding:
+    if type(m) is not nn.Embedding and type(m).__name__ != "Gemma3TextScaledWordEmbedding":  # a constant scale
         raise GaugeError(f"{name}: expected nn.Embedding, got {type(m).__qualname__}")
     return TensorRef(m, "weight", f"{name}.weight", tuple(m.weight.shape))
 
@@ -409,11 +457,13 @@ def find_stream(model: nn.Module) -> ResidualStream:
                               float32_steps=f"RMSNorm in float32 ({norm_cls.__name__} casts to float32 and back)" if stock else "")
     if cls == "GptOssForCausalLM":
         return _gpt_oss_stream(model, sites)
+    if cls in _HF_POST_NORM:
+        return _post_norm_stream(model, cls, sites)
     raise GaugeError(
         f"find_stream: no residual-stream description for {type(model).__qualname__}; the sectors beyond attention "
         "(norm gains, LayerNorm families, residual rotations, MLP rescales) are derived for gaugeopt's GPT, Hugging Face "
-        "GPT2LMHeadModel, LlamaForCausalLM/MistralForCausalLM/Qwen2ForCausalLM, GptOssForCausalLM and dense "
-        "DeepseekV2/V3ForCausalLM"
+        "GPT2LMHeadModel, LlamaForCausalLM/MistralForCausalLM/Qwen2ForCausalLM/Qwen3ForCausalLM, GptOssForCausalLM, "
+        "dense DeepseekV2/V3ForCausalLM, Olmo2ForCausalLM and Gemma3ForCausalLM"
     )
 
 
@@ -451,3 +501,33 @@ def _gpt_oss_stream(model: nn.Module, sites: list[AttentionSite]) -> ResidualStr
     return ResidualStream("hf_gpt_oss", model, "rmsnorm", "moe_clamped_swiglu", tok, None, sb, _norm(model, "model.norm"),
                           _head(model, "lm_head", tok), cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size,
                           float32_steps=_stock_rmsnorm_note(model))
+
+
+
+def _float32_note(norm: nn.Module) -> str:
+    """What a stock Hugging Face RMSNorm computes in float32 (``""`` when its forward was replaced)."""
+    cls = type(norm)
+    if getattr(cls.forward, "__module__", "") != cls.__module__:
+        return ""
+    return f"RMSNorm in float32 ({cls.__name__} casts to float32 and back)"
+
+
+def _post_norm_stream(model: nn.Module, cls: str, sites: list[AttentionSite]) -> ResidualStream:
+    """OLMo 2 (``x += post(attn(x))``, ``x += post(mlp(x))``) and Gemma 3 (pre- and post-norms)."""
+    pre, post, act_key = _HF_POST_NORM[cls]
+    cfg = model.config
+    act = _GATED.get(getattr(cfg, act_key, None))
+    if act is None:
+        raise GaugeError(f"find_stream: {cls} with {act_key}={getattr(cfg, act_key, None)!r}; the stream sectors know a "
+                         "gated MLP with silu (SwiGLU) or GELU (GeGLU)")
+    blocks = list(model.model.layers)
+    atts = _check_sites(sites, blocks, "self_attn", cls)
+    p = "model.layers"
+    sb = [StreamBlock(a, *((_norm(model, f"{p}.{i}.{pre[0]}"), _norm(model, f"{p}.{i}.{pre[1]}")) if pre else (None, None)),
+                      _linear(model, f"{p}.{i}.mlp.up_proj"), _linear(model, f"{p}.{i}.mlp.gate_proj"),
+                      _linear(model, f"{p}.{i}.mlp.down_proj"), post1=_norm(model, f"{p}.{i}.{post[0]}"),
+                      post2=_norm(model, f"{p}.{i}.{post[1]}")) for i, a in enumerate(atts)]
+    tok = _embedding(model, "model.embed_tokens")
+    return ResidualStream("hf_" + cls.removesuffix("ForCausalLM").lower(), model, "rmsnorm", act, tok, None, sb,
+                          _norm(model, "model.norm"), _head(model, "lm_head", tok), cfg.hidden_size, cfg.intermediate_size,
+                          cfg.vocab_size, float32_steps=_float32_note(model.model.norm))

@@ -20,11 +20,13 @@ sector                finite action                                             
                       ``W_O``, ``W_down`` ``+1vᵀ``, their biases ``+c·1``)            LayerNorm, which removes the mean
 ``embedding_shift``   ``wte += 1⊗c``, ``wpe −= 1⊗c``                                ``wte[t] + wpe[p]`` unchanged; tied head:
                                                                                   ``c ∝ γ_f⁻¹`` only, and no ``β_f``
-``mlp_scale``         ``W_up[c], b_up[c] ← eᵗ·(…)``, ``W_down[:, c] ← e⁻ᵗ·(…)``        ``silu(gate)·up`` is linear in ``up``;
-                                                                                  ReLU is positively homogeneous
+``mlp_scale``         ``W_up[c], b_up[c] ← eᵗ·(…)``, ``W_down[:, c] ← e⁻ᵗ·(…)``        ``act(gate)·up`` is linear in ``up``
+                                                                                  (SwiGLU, GeGLU); ReLU is positively
+                                                                                  homogeneous
 ``residual_rotation`` writers ``X ← RX``; readers ``W ← W D Rᵀ D⁻¹``,                 ``x̂(Rx) = R x̂(x)`` for ``R ∈ SO(d)``
-                      ``β ← D R D⁻¹ β`` (``D = diag γ`` of their norm)                (RMSNorm) fixing ``1`` (LayerNorm);
-                                                                                  only with an *untied* head
+                      ``β ← D R D⁻¹ β`` (``D = diag γ`` of their norm;              (RMSNorm) fixing ``1`` (LayerNorm);
+                      readers without a norm ``W Rᵀ``)                               only with an *untied* head and no
+                                                                                  post-norms
 ``router_shift``      a top-k router ``W_r += 1⊗w``, ``b_r += c·1``                   every expert's logit moves by
                                                                                   ``w·y + c``: the top-k choice and
                                                                                   the softmax over it are unchanged
@@ -43,8 +45,15 @@ model computes in, not of every input.
 
 A tied head is the token embedding: it is rotated as a writer but would have to become
 ``wte D_f Rᵀ D_f⁻¹`` as the final norm's reader, so with a non-uniform ``γ_f`` the rotations are
-not symmetries (paper 003 counts them; docs/errata.md). The family is still built, with
-``exact=False``, so that :func:`gaugeopt.flat_directions` can show how far from flat it is.
+not symmetries (paper 003 counts them; docs/errata.md). Neither are they where the blocks normalise
+their outputs before adding them (OLMo 2, Gemma 3): ``R·(γ ⊙ ν(y))`` would have to be a norm's output
+``γ′ ⊙ ν(y′)``, which needs ``R diag(γ) = diag(γ′) R′`` — for a generic ``γ`` only signed permutations.
+The family is still built, with ``exact=False``, so that :func:`gaugeopt.flat_directions` can show how
+far from flat it is.
+
+**Gains with an offset** (Gemma's ``1 + w``): every family acts on the effective gain ``γ = 1 + w``
+(:meth:`~gaugeopt.structure.stream.StreamNorm.read_gain`); the post-norms have no family (their gains
+are read by nothing but the stream).
 
 What none of these covers: the norms' ``ε`` breaks the global rescale of the stream (all writers
 ``× s``): a near-symmetry, not a symmetry (the meter sees it just above its tolerance). A model whose
@@ -120,7 +129,7 @@ def _norm_gain(stream: ResidualStream, norm: StreamNorm) -> Family:
 
     def apply(t: torch.Tensor) -> None:
         s = torch.exp(t)
-        _set(norm.gain, _get(norm.gain) * s)
+        norm.write_gain(norm.read_gain() * s)  # γ = offset + stored (Gemma's 1 + w)
         if norm.bias is not None:
             _set(norm.bias, _get(norm.bias) * s)
         for r in readers:
@@ -134,7 +143,7 @@ def _norm_bias(stream: ResidualStream, norm: StreamNorm) -> Family:
     readers = stream.readers(norm)
 
     def apply(t: torch.Tensor) -> None:
-        beta, gamma = _get(norm.bias) + t, _get(norm.gain)
+        beta, gamma = _get(norm.bias) + t, norm.read_gain()
         _set(norm.bias, beta)
         for r in readers:
             w, b = r.read()
@@ -152,7 +161,7 @@ def _norm_meanfree(norm: StreamNorm, reader: StreamLinear) -> Family:
     exact = norm.bias is None or reader.has_bias
 
     def apply(t: torch.Tensor) -> None:
-        gamma = _get(norm.gain)
+        gamma = norm.read_gain()
         w, b = reader.read()
         bias = None
         if norm.bias is not None and b is not None:
@@ -193,7 +202,7 @@ def _embedding_shift(stream: ResidualStream) -> Family:
         return Family("embedding_shift", "embeddings", stream.d_model, apply, True, "wte[t] + wpe[p] is unchanged")
 
     def apply_tied(t: torch.Tensor) -> None:
-        c = t[0] / _get(fnorm.gain)
+        c = t[0] / fnorm.read_gain()
         _set(tok, _get(tok) + c[None, :])
         _set(pos, _get(pos) - c[None, :])
 
@@ -259,8 +268,11 @@ def _rotation(stream: ResidualStream) -> Family:
         for w_ in stream.writers():
             w, b = w_.read()
             w_.write(R.to(w) @ w, None if b is None else R.to(b) @ b)
+        for r in stream.raw_readers():  # no norm between the stream and the reader: W Rᵀ
+            w, _ = r.read()
+            r.write(w @ R.T.to(w))
         for norm in stream.norms():
-            gamma = _get(norm.gain)
+            gamma = norm.read_gain()
             M = (gamma[:, None] * R.T) / gamma[None, :]  # D Rᵀ D⁻¹
             for r in stream.readers(norm):
                 w, _ = r.read()
@@ -269,8 +281,11 @@ def _rotation(stream: ResidualStream) -> Family:
                 _set(norm.bias, ((gamma[:, None] * R) / gamma[None, :]) @ _get(norm.bias))
 
     what = "SO(d)" if stream.norm == "rmsnorm" else "SO(d) fixing 1"
-    return Family("residual_rotation", "model", basis.shape[0], apply, exact,
-                  what + ("" if exact else ": the tied head would have to be wte·D_f Rᵀ D_f⁻¹ as the final norm's reader"))
+    post = bool(stream.post_norms())
+    exact = exact and not post
+    why = ("" if exact else ": post-norms on the blocks' outputs: R·(γ ⊙ ν(y)) is not γ ⊙ ν(R′y) for a non-uniform γ"
+           if post else ": the tied head would have to be wte·D_f Rᵀ D_f⁻¹ as the final norm's reader")
+    return Family("residual_rotation", "model", basis.shape[0], apply, exact, what + why)
 
 
 def stream_families(stream: ResidualStream) -> list[Family]:
@@ -294,7 +309,7 @@ def stream_families(stream: ResidualStream) -> list[Family]:
         out += [_ones_on_writer(w) for w in stream.writers()]
     if stream.position_embedding is not None and (not stream.tied or layer_norm):
         out.append(_embedding_shift(stream))
-    if stream.activation in ("swiglu", "relu"):
+    if stream.activation in ("swiglu", "geglu", "relu"):
         out += [_mlp_scale(b) for b in stream.blocks]
     out += [_router_shift(b.router) for b in stream.blocks if b.router is not None]
     if stream.activation == "moe_clamped_swiglu":

@@ -177,7 +177,7 @@ def _cmd_flat(args) -> int:
     from gaugeopt.structure.invariance import randomize_parameters
     from gaugeopt.tools.checkpoint import build_model, context_length, read_config
     from gaugeopt.tools.counting import gauge_dimension
-    from gaugeopt.tools.flat import covering_tokens, flat_directions, suggested_sequences
+    from gaugeopt.tools.flat import covering_tokens, flat_directions, preflight, suggested_sequences
 
     if args.dtype != "float64":
         raise GaugeError(f"--dtype {args.dtype}: the meter resolves singular values down to 1e-15 only in float64")
@@ -192,15 +192,15 @@ def _cmd_flat(args) -> int:
         model = _load(args.target, args.config, args).model
         origin = "the checkpoint's weights"
     n = sum(p.numel() for p in model.parameters())
-    if n > args.max_params:  # before building any input
-        return _refuse_large(n, args.max_params)
     vocab, ctx = context_length(model)
     length = min(args.seq_len, ctx)
     n_seq = args.sequences or suggested_sequences(model, vocab, length)
     x = covering_tokens(vocab, length, n_seq, seed=args.seed)
+    cap = None if args.max_memory is None else args.max_memory * 2**30
+    need, _ = preflight(model, x, max_params=args.max_params, max_memory=cap)  # refuse before printing anything
     print(f"flat directions of {args.target} ({origin}; {n:,} parameters; {n_seq} sequences of {length} tokens "
-          "covering every token id; outputs: the logits)\n")
-    rep = flat_directions(model, x, max_params=args.max_params, progress=None if not args.quiet else False)
+          f"covering every token id; outputs: the logits; {need.describe()})\n")
+    rep = flat_directions(model, x, max_params=args.max_params, max_memory=cap, progress=None if not args.quiet else False)
     print(rep.table())
     try:
         complete = gauge_dimension(model, "complete")
@@ -210,12 +210,6 @@ def _cmd_flat(args) -> int:
     except GaugeError as err:
         print(f"\ncomplete count: not available ({err})")
     return 0 if rep.remainder == 0 else 1
-
-
-def _refuse_large(n: int, limit: int) -> int:
-    from gaugeopt.tools.flat import too_large_message
-
-    raise GaugeError(too_large_message(n, limit))
 
 
 # ---------------------------------------------------------------------- verify
@@ -421,8 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequences", type=int, help="number of token sequences (default: enough for the parameter count)")
     p.add_argument("--seq-len", type=int, default=16, help="tokens per sequence (default 16, at most the context)")
     p.add_argument("--max-params", type=int, default=DEFAULT_MAX_PARAMS,
-                   help=f"refuse larger models (default {DEFAULT_MAX_PARAMS:,}: the method is dense, n^2 memory)")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+                   help=f"refuse larger models (default {DEFAULT_MAX_PARAMS:,}: the method is dense, memory grows like "
+                        "outputs x parameters and parameters^2, time like outputs x parameters^2)")
+    p.add_argument("--max-memory", type=float, metavar="GIB",
+                   help="refuse a run whose memory estimate exceeds this many GiB (default: the memory available now)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr (by default they start once a run "
+                                                        "has taken 10 s)")
     p.set_defaults(func=_cmd_flat)
 
     p = sub.add_parser("verify", parents=[common], help="output change under valid and invalid gauge transforms")

@@ -25,7 +25,8 @@ over the query and key–value latents, and the stream of a dense model (routed 
 
 ``convention="complete"``: every exact continuous symmetry gaugeopt knows, for the models whose
     residual stream it understands (:func:`gaugeopt.structure.stream.find_stream`: gaugeopt's GPT,
-    Hugging Face GPT-2 and the Llama family; configs of those). Per layer: ``qk`` and ``vo`` as
+    Hugging Face GPT-2, the Llama family and the QK-norm families Qwen3, OLMo 2, Gemma 3; configs of
+    those). Per layer: ``qk`` and ``vo`` as
     ``"wang"``; the bias sectors ``key_bias`` ``h_kv(d_k − r)`` and ``value_bias`` ``h_kv·d_v``
     (:mod:`gaugeopt.structure.bias`); ``norm_gain`` ``d`` per norm; with LayerNorm ``norm_bias``
     ``d`` per norm with a bias, ``norm_meanfree`` the rows of every reader of the norm (when the norm
@@ -38,11 +39,19 @@ over the query and key–value latents, and the stream of a dense model (routed 
     (+ ``V`` with an untied head); ``embedding_shift`` ``d − [LayerNorm]`` (untied, learned
     positions) or ``1`` (tied, LayerNorm without a final bias); with an untied head the final norm's
     ``norm_gain`` ``d``, ``norm_bias`` ``d``, ``norm_meanfree`` ``V`` (no final bias or a head bias),
-    and ``residual_rotation`` ``d(d−1)/2`` (RMSNorm) or ``(d−1)(d−2)/2`` (LayerNorm). The
-    derivations are in :mod:`gaugeopt.structure.stream_sectors`. It equals the measured nullity on
-    generic weights, with the logits as the output and inputs that use every token and position
-    (``tests/test_flat.py``). GPT-2 small: 1,346,584 — of paper 003's 293,761 rotations none is a
-    symmetry of the tied model.
+    and ``residual_rotation`` ``d(d−1)/2`` (RMSNorm) or ``(d−1)(d−2)/2`` (LayerNorm). Blocks that
+    normalise their outputs (OLMo 2 without pre-norms, Gemma 3 with both) have no gain sector for those
+    post-norms and no rotations; a QK-norm layer counts its gain gauge instead of ``qk`` (below). The
+    derivations are in :mod:`gaugeopt.structure.stream_sectors` and docs/qk_norm.md. It equals the
+    measured nullity on generic weights, with the logits as the output and inputs that use every token
+    and position (``tests/test_flat.py``). GPT-2 small: 1,346,584 — of paper 003's 293,761 rotations
+    none is a symmetry of the tied model; Qwen3-0.6B: 3,815,168.
+
+    *Logits, not log-probabilities.* The cross-entropy's Gauss–Newton (Fisher) metric has the null
+    space of the log-probabilities' Jacobian, which also contains a change common to every logit of a
+    position: ``d`` more directions with an untied head (``W_head += 1vᵀ``) or learned positions
+    (``wte += 1vᵀ``, ``wpe −= 1vᵀ``), none for a tied head under RoPE (docs/errata.md, row 6). The
+    complete count does not include them.
 
 With GQA every count uses the KV groups (``h_kv``), which is where the symmetry lives. A model
 with learnable multipliers has one more family, the internal ``r·W̄·c`` rescalings of every
@@ -59,7 +68,8 @@ RoPE the key bias (``d_k``), one query-bias shift and one centred rotation; unde
 key bias on the ``d_k − r`` channels RoPE leaves alone (Phi). With ``eps = 0`` every
 head (per-head norm) or each side (full-width norm) gains a positive scale (``"qk_head_scale"``).
 Qwen3-0.6B: ``"wang"`` ``28·(64 + 8·128²) = 3,671,808``; ``"van_nierop"`` ``28·(128 + 8·128²) +
-1023·1022/2 = 4,196,353``.
+1023·1022/2 = 4,196,353`` — whose rotations are not symmetries of that tied model; ``"complete"``
+``28·(64 + 8·128² + 2·1024 + 3072) = 3,815,168``.
 
 Example:
     >>> from gaugeopt import gauge_dimension
@@ -294,7 +304,8 @@ def _lrm_internal(model: Any) -> int:
 def stream_shape(model_or_config: Any) -> StreamShape:
     """The :class:`~gaugeopt.structure.stream.StreamShape` of a model (via
     :func:`~gaugeopt.structure.stream.find_stream`) or a config: :class:`gaugeopt.models.GPTConfig`, or a
-    ``gpt2``/``llama``/``mistral``/``qwen2`` Hugging Face config (object or ``config.json`` dict).
+    ``gpt2``/``llama``/``mistral``/``qwen2``/``qwen3``/``olmo2``/``gemma3(_text)`` Hugging Face config
+    (object or ``config.json`` dict).
 
     Raises:
         GaugeError: a model or config whose residual stream gaugeopt does not describe.
@@ -321,16 +332,24 @@ def stream_shape(model_or_config: Any) -> StreamShape:
         return StreamShape(_get(cfg, "n_layer", "num_hidden_layers"), d, _get(cfg, "n_inner") or 4 * d, _get(cfg, "vocab_size"),
                            _get(cfg, "n_positions"), "layernorm", act, bool(_get(cfg, "tie_word_embeddings", default=True)),
                            True, True, True)
-    if model_type in ("llama", "mistral", "qwen2"):
-        act = _get(cfg, "hidden_act", default="silu")
+    if model_type == "gemma3":  # the multimodal config keeps the language model's in text_config
+        text = _get(cfg, "text_config")
+        if text is None:
+            raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
+        return stream_shape(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
+    if model_type in _STREAM_LAYOUTS:
+        act_key, default_act, pre, post, tied = _STREAM_LAYOUTS[model_type]
+        act = _get(cfg, act_key, default=default_act)
         missing = [k for k in ("vocab_size", "intermediate_size") if _get(cfg, k) is None]
-        if act != "silu" or missing:
+        if act not in _GATED or missing:
             raise GaugeError(f"gauge_dimension(convention='complete'): a {model_type} config needs "
-                             + (f"{' and '.join(missing)}" if missing else f"hidden_act='silu' (SwiGLU), not {act!r}"))
+                             + (f"{' and '.join(missing)}" if missing else
+                                f"{act_key} in {sorted(_GATED)} (a gated MLP), not {act!r}"))
         mlp_bias = bool(_get(cfg, "mlp_bias", default=False))
         return StreamShape(_get(cfg, "num_hidden_layers"), _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"),
-                           _get(cfg, "vocab_size"), 0, "rmsnorm", "swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)),
-                           False, mlp_bias, mlp_bias)
+                           _get(cfg, "vocab_size"), 0, "rmsnorm", _GATED[act],
+                           bool(_get(cfg, "tie_word_embeddings", default=tied)), False, mlp_bias, mlp_bias,
+                           pre_norms=pre, post_norms=post)
     if model_type == "gpt_oss":
         d, ff, E = _get(cfg, "hidden_size"), _get(cfg, "intermediate_size"), _get(cfg, "num_local_experts")
         if None in (d, ff, E, _get(cfg, "vocab_size")):
@@ -357,9 +376,23 @@ def stream_shape(model_or_config: Any) -> StreamShape:
                            "rmsnorm", "swiglu", bool(_get(cfg, "tie_word_embeddings", default=False)), False, False, False)
     raise GaugeError(
         f"gauge_dimension(convention='complete'): no residual-stream description for model_type={model_type!r} "
-        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and gpt2/llama/mistral/qwen2/gpt_oss "
-        "(models or configs); 'wang' counts the attention gauges of any model"
+        f"({type(cfg).__qualname__}); the complete count covers gaugeopt's GPT and "
+        f"gpt2/{'/'.join(_STREAM_LAYOUTS)}/gpt_oss/{'/'.join(_DEEPSEEK)} (models or configs); 'wang' counts the "
+        "attention gauges of any model"
     )
+
+
+# model_type -> (activation key, its default, pre-norms, post-norms, tied by default): the block layouts of
+# gaugeopt.structure.stream (Llama's pre-norm blocks; OLMo 2's post-norms only; Gemma 3's both)
+_STREAM_LAYOUTS = {
+    "llama": ("hidden_act", "silu", True, False, False),
+    "mistral": ("hidden_act", "silu", True, False, False),
+    "qwen2": ("hidden_act", "silu", True, False, False),
+    "qwen3": ("hidden_act", "silu", True, False, False),
+    "olmo2": ("hidden_act", "silu", False, True, False),
+    "gemma3_text": ("hidden_activation", "gelu_pytorch_tanh", True, True, True),
+}
+_GATED = {"silu": "swiglu", "gelu_pytorch_tanh": "geglu", "gelu": "geglu"}
 
 
 def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int]:
@@ -371,7 +404,7 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
             counts[key] = counts.get(key, 0) + n
 
     d, ln = st.d_model, st.norm == "layernorm"
-    mlp_inputs = 2 if st.activation == "swiglu" else 1
+    mlp_inputs = 2 if st.activation in ("swiglu", "geglu") else 1
     for s in shapes:
         if s.qk_norm is None:
             add("qk", s.h_kv * s.qk_dim())
@@ -386,14 +419,14 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
                 raise GaugeError("gauge_dimension: multi-head latent attention in a LayerNorm stream has no derived count")
             for key, n in s.latent.dims().items():
                 add(key, n)
-        add("norm_gain", 2 * d)
+        add("norm_gain", 2 * d if st.pre_norms else 0)  # a pre-norm's gain against its readers; post-norms: none
         if ln:
             add("norm_bias", 2 * d if st.norm_bias else 0)
             readers = [(s.h * s.d_k, s.qk_bias), (s.h_kv * s.d_k, s.k_bias), (s.h_kv * s.d_v, s.v_bias)]
             readers += [(st.d_ff, st.mlp_in_bias)] * mlp_inputs
             add("norm_meanfree", sum(rows for rows, biased in readers if biased or not st.norm_bias))
             add("residual_ones", s.h * s.d_v + s.o_bias + st.d_ff + st.mlp_out_bias)
-        if st.activation in ("swiglu", "relu"):
+        if st.activation in ("swiglu", "geglu", "relu"):
             add("mlp_scale", st.d_ff)
         add("router_shift", st.router_shift)
         add("expert_up_scale", st.expert_units)
@@ -409,7 +442,8 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
         if ln:
             add("norm_bias", d if st.norm_bias else 0)
             add("norm_meanfree", st.vocab if (st.head_bias or not st.norm_bias) else 0)
-        add("residual_rotation", (d - 1) * (d - 2) // 2 if ln else d * (d - 1) // 2)
+        if not st.post_norms:  # a post-norm's output γ ⊙ ν(y) does not rotate (stream_sectors)
+            add("residual_rotation", (d - 1) * (d - 2) // 2 if ln else d * (d - 1) // 2)
     return counts
 
 

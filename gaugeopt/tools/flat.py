@@ -33,12 +33,21 @@ token id and position: :func:`covering_tokens` builds such a batch. *Saturation 
 assumed*: the known sectors are exact symmetries, so ``nullity ≥ dim span(sectors)`` for any
 data; a zero unexplained remainder means more data cannot lower the nullity.
 
-**Limits.** ``G`` is ``n×n`` and ``J`` is ``outputs×n`` in float64, so the meter refuses models
-above ``max_params`` (default 10,000: ~1 GB) with a :class:`~gaugeopt.errors.GaugeError` saying
-what to do instead — measure a small model of the same architecture, or count at scale with
-:func:`gaugeopt.gauge_dimension` (``convention="complete"``). A model whose computation rounds
-through float32 (Hugging Face's ``LlamaRMSNorm``) buries its null space at ``~1e-7``: compute
-those steps in float64 first (docs/model_tools.md).
+**Cost.** ``J`` is ``outputs×n`` and ``G`` ``n×n``, in float64: memory grows like outputs × parameters
+plus parameters², time like outputs × parameters². Before it starts, the meter estimates its peak
+memory (:mod:`gaugeopt.tools.flat_cost`, calibrated on measured runs) and refuses — with the amount,
+the memory available and what to do — a run that would not fit in the memory available now
+(``MemAvailable``; ``max_memory`` to set a cap), or a model above ``max_params`` (default 10,000):
+measure a small model of the same architecture, or count at scale with
+:func:`gaugeopt.gauge_dimension` (``convention="complete"``). A run that takes more than 10 s prints
+its stages on stderr, with a heartbeat during long single steps.
+
+**Float32 steps.** A model whose computation rounds through float32 (Hugging Face's RMSNorms) moves
+its exact symmetries by float32 rounding (``~1e-7``), so they drop out of the measured null space; the
+report labels such families "EXACT UP TO FLOAT32 ROUNDING" (not "EXPECTED EXACT BUT IS NOT") and says
+the nullity is then a lower bound. To measure them, pass ``forward_context``: a context the meter
+enters around every forward (and never while it finds the model's records), such as one that computes
+those steps in float64.
 
 Example:
     >>> import torch, gaugeopt
@@ -58,20 +67,30 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.tools.flat_cost import (
+    MemoryEstimate,
+    Progress,
+    available_memory,
+    check_memory,
+    chunk_rows,
+    estimate_memory,
+    too_large_message,
+)
 
-__all__ = ["FlatReport", "SectorRow", "flat_directions", "covering_tokens", "suggested_sequences", "measure",
-           "too_large_message", "DEFAULT_MAX_PARAMS"]
+__all__ = ["FlatReport", "SectorRow", "MemoryEstimate", "flat_directions", "preflight", "covering_tokens", "suggested_sequences",
+           "measure", "r_factor", "estimate_memory", "available_memory", "check_memory", "too_large_message",
+           "DEFAULT_MAX_PARAMS"]
 
 DEFAULT_MAX_PARAMS = 10_000
 
@@ -94,6 +113,9 @@ class SectorRow:
         cum_dim, cum_in_null, remainder: over this and the earlier exact sectors: the span's
             dimension, the null directions inside it, and ``nullity − cum_in_null``.
         note: why the family is (or is not) a symmetry.
+        float32: for a family expected exact whose finite change is float32 rounding (≤ 1e-5) in a model
+            that computes a step in float32: that step (``""`` otherwise). Such a family is exact in
+            float64 arithmetic; the float32 step hides it from the measured null space.
     """
 
     name: str
@@ -110,6 +132,7 @@ class SectorRow:
     cum_in_null: int = 0
     remainder: int = 0
     note: str = ""
+    float32: str = ""
 
 
 @dataclass
@@ -185,9 +208,16 @@ class FlatReport:
                 out.append(f"{r.name:<20}{r.generators:>6}{r.dim:>6}{r.in_null:>8}{_e(r.max_sin):>10}{_e(r.leak):>10}"
                            f"{_e(r.finite):>10}{r.cum_dim:>9}{r.cum_in_null:>7}{r.remainder:>6}  {r.note}")
             for r in self.near_flat:
-                why = f"EXPECTED EXACT BUT IS NOT: {r.note}" if r.expected else f"not a symmetry: {r.note}"
+                why = (f"EXACT UP TO FLOAT32 ROUNDING ({r.float32}): {r.note}" if r.float32 else
+                       f"EXPECTED EXACT BUT IS NOT: {r.note}" if r.expected else f"not a symmetry: {r.note}")
                 out.append(f"{r.name:<20}{r.generators:>6}{r.dim:>6}{r.in_null:>8}{_e(r.max_sin):>10}{_e(r.leak):>10}"
                            f"{_e(r.finite):>10}{'':>22}  {why}; flattest direction sigma/sigma_max {_e(r.sigma_perp)}")
+        limited = [r for r in self.near_flat if r.float32]
+        if limited:
+            out.append(f"float32-limited: {sum(r.dim for r in limited):,} directions of exact symmetries "
+                       f"({', '.join(r.name for r in limited)}) are moved only by float32 rounding, so the measured null "
+                       "space does not contain them and the nullity is a lower bound; measure with the float32 step "
+                       "computed in float64 (flat_directions(..., forward_context=...)) to see them")
         if self.remainder is not None:
             out.append(f"unexplained remainder of the null space: {self.remainder}"
                        + (" (saturated: more data cannot lower the nullity)" if self.remainder == 0 else ""))
@@ -200,17 +230,6 @@ class FlatReport:
 
 def _e(x: float) -> str:
     return "-" if x != x else f"{x:.1e}"
-
-
-def too_large_message(n: int, max_params: int) -> str:
-    """Why the meter refuses a model of ``n`` parameters, and what to do instead."""
-    return (
-        f"flat_directions: the model has {n:,} parameters, more than max_params={max_params:,}: the meter forms the "
-        f"Jacobian (outputs × parameters) and its {n:,}×{n:,} Gram matrix in float64 (~{8 * n * n / 1e6:,.0f} MB, and "
-        "cubic time). Measure a small model of the same architecture (fewer layers, a smaller width and vocabulary: "
-        "the symmetries are per layer), count at scale with gaugeopt.gauge_dimension(model, convention='complete') "
-        "(gaugeopt count), or raise max_params if you have the memory"
-    )
 
 
 # ---------------------------------------------------------------------- inputs and progress
@@ -245,23 +264,6 @@ def suggested_sequences(model: nn.Module, vocab: int, length: int, factor: float
     return math.ceil(factor * n / (length * d)) + math.ceil(vocab / length)
 
 
-class _Progress:
-    """Stage lines on stderr (or a callable), at most every ``every`` seconds within a stage."""
-
-    def __init__(self, progress: bool | Callable[[str], None] | None, work: int, every: float = 2.0) -> None:
-        if progress is None:
-            progress = work > 3_000
-        self.emit = progress if callable(progress) else ((lambda s: print(s, file=sys.stderr, flush=True)) if progress else None)
-        self.t0 = self.last = time.perf_counter()
-        self.every = every
-
-    def __call__(self, msg: str, force: bool = False) -> None:
-        now = time.perf_counter()
-        if self.emit is not None and (force or now - self.last >= self.every):
-            self.emit(f"flat_directions: {msg} ({now - self.t0:.0f} s)")
-            self.last = now
-
-
 def _default_outputs(out: Any) -> torch.Tensor:
     if hasattr(out, "logits"):
         return out.logits
@@ -271,34 +273,66 @@ def _default_outputs(out: Any) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the Jacobian and its spectrum
-def _jacobian(model: nn.Module, examples: list[tuple], total: int, outputs: Callable, progress: _Progress):
-    """``J``, one block of rows per example (``total`` rows in all)."""
-    from torch.func import functional_call, jacrev
+def _jacobian(model: nn.Module, examples: list[tuple], total: int, outputs: Callable, progress: Progress):
+    """``J (total, n)``, filled one example at a time: one forward, then reverse mode for a chunk of the
+    example's outputs at a time (:func:`~gaugeopt.tools.flat_cost.chunk_rows`), written straight into ``J`` (no per-example copies)."""
+    from torch.func import functional_call, vjp, vmap
 
     named = list(model.named_parameters())
     names, shapes = [n for n, _ in named], [p.shape for _, p in named]
     sizes = [p.numel() for _, p in named]
     theta = torch.cat([p.detach().reshape(-1) for _, p in named])
+    J = torch.empty(total, theta.numel(), dtype=theta.dtype)
+    chunk = chunk_rows(theta.numel())
 
     def f(th, args):
         params = {n: t.view(s) for n, t, s in zip(names, th.split(sizes), shapes)}
         return outputs(functional_call(model, params, args)).reshape(-1)
 
-    blocks, done = [], 0
+    done, t0 = 0, time.perf_counter()
     with warnings.catch_warnings():  # "no batching rule for ..._backward": a performance note from vmap
         warnings.simplefilter("ignore", UserWarning)
         for args in examples:
-            blocks.append(jacrev(f)(theta, args).detach())
-            done += blocks[-1].shape[0]
-            progress(f"Jacobian, {done:,} of {total:,} rows")
-    return torch.cat(blocks), names, sizes
+            out, pull = vjp(lambda th, args=args: f(th, args), theta)
+            m = out.numel()
+            for s in range(0, m, chunk):
+                k = min(chunk, m - s)
+                e = torch.zeros(k, m, dtype=out.dtype)
+                e[torch.arange(k), torch.arange(s, s + k)] = 1.0
+                J[done + s: done + s + k] = vmap(pull)(e)[0].detach()
+            done += m
+            left = (time.perf_counter() - t0) * (total - done) / done
+            progress(f"Jacobian, {done:,} of {total:,} rows" + (f", about {left:.0f} s left" if left >= 1 else ""))
+    return J, names, sizes
+
+
+def r_factor(J: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """``R`` with ``RᵀR = (JV)ᵀ(JV)`` — the triangular factor of ``J @ V`` (its singular values and right
+    singular vectors are ``J @ V``'s), accumulated over row chunks of ``J`` so that ``J @ V`` is never
+    formed whole: ``R ← qr([R; J_c V])``, backward stable like a QR of the whole product."""
+    R = V.new_zeros(0, V.shape[1])
+    step = max(chunk_rows(V.shape[1]), V.shape[1])
+    for s in range(0, J.shape[0], step):
+        R = torch.linalg.qr(torch.cat([R, J[s:s + step] @ V]), mode="r").R
+    return R
+
+
+def _shifted_copy(G: torch.Tensor, shift: float) -> torch.Tensor:
+    """``G + shift·I`` as a column-major copy (``G`` is symmetric): LAPACK then factorises it in place
+    without a second ``n×n`` buffer."""
+    A = G.clone()
+    A.diagonal().add_(shift)
+    return A.mT
 
 
 def _inertia_below(G: torch.Tensor, mu: float) -> int:
     """Eigenvalues of the symmetric ``G`` below ``mu`` (Sylvester: the negative inertia of ``LDLᵀ`` of ``G − μI``)."""
     n = G.shape[0]
-    LD, piv = torch.linalg.ldl_factor(G - mu * torch.eye(n, dtype=G.dtype))
-    piv, d, off = piv.tolist(), torch.diagonal(LD).tolist(), torch.diagonal(LD, -1).tolist()
+    A = _shifted_copy(G, -mu)
+    piv = torch.empty(n, dtype=torch.int32)
+    torch.linalg.ldl_factor(A, out=(A, piv))
+    piv, d, off = piv.tolist(), torch.diagonal(A).tolist(), torch.diagonal(A, -1).tolist()
+    del A
     neg, i = 0, 0
     while i < n:
         if piv[i] > 0:
@@ -321,14 +355,23 @@ def measure(
     iters: int = 5,
     sigma_floor: float = 1e-13,
     min_gap: float = 1e3,
+    progress: Callable[..., None] | None = None,
+    memory: tuple[MemoryEstimate, float | None] | None = None,
 ) -> dict:
     """The spectrum near zero of ``J`` (float64) and its numerical rank (module docstring, steps 2–3).
+
+    Memory: ``J``, the Gram matrix ``G`` and one ``n×n`` factor at a time (factorised in place),
+    ``n×b`` blocks, and ``J @ V`` only as its ``b×b`` triangular factor (:func:`r_factor`). With
+    ``memory=(estimate, max_memory)`` the run is checked again once the block ``b`` is known
+    (:func:`~gaugeopt.tools.flat_cost.check_memory`).
 
     Returns a dict: ``sigma_max``, ``tail`` (relative, ascending), ``nullity``, ``tol``,
     ``sigma_kept``, ``sigma_null``, ``gap``, ``second_gap``, ``null`` (an orthonormal basis of the
     null space, ``(n, nullity)``), ``above`` (the next few singular directions), ``inertia_count``.
     """
+    say = progress or (lambda *a, **k: None)
     m, n = J.shape
+    say(f"Gram matrix JᵀJ ({n:,}×{n:,} from {m:,} rows)", force=True)
     G = J.T @ J
     v = torch.randn(n, dtype=J.dtype, generator=torch.Generator().manual_seed(0))
     lam = 0.0
@@ -340,20 +383,29 @@ def measure(
             break
         lam = new
     smax = math.sqrt(new)
+    say(f"LDLᵀ of the {n:,}×{n:,} Gram matrix (counting its small eigenvalues)", force=True)
     count = _inertia_below(G, (count_rtol * smax) ** 2)
     b = min(n, count + extra)
+    if memory is not None and b > memory[0].block:  # a larger null space than expected: is there room for it?
+        check_memory(estimate_memory(n, m, 1, b), memory[1], held=(J.numel() + G.numel()) * 8)
     mu = (shift_rtol * smax) ** 2
-    eye = torch.eye(n, dtype=J.dtype)
+    say(f"Cholesky factor and subspace iteration ({count:,} small singular values, block of {b:,})", force=True)
     while True:
-        L, info = torch.linalg.cholesky_ex(G + mu * eye)
+        L = _shifted_copy(G, mu)
+        info = torch.empty((), dtype=torch.int32)
+        torch.linalg.cholesky_ex(L, out=(L, info))
         if int(info) == 0:
             break
         mu *= 10
+    del G
     V = torch.linalg.qr(torch.randn(n, b, dtype=J.dtype, generator=torch.Generator().manual_seed(1)))[0]
-    for _ in range(iters):
-        V = torch.linalg.qr(torch.cholesky_solve(V, L))[0]
-    B = J @ V  # Rayleigh–Ritz with J: singular values unsquared
-    _, S, Wh = torch.linalg.svd(B, full_matrices=B.shape[0] < b)
+    for _ in range(iters):  # (G + μI)⁻¹ V by two triangular solves on the in-place factor
+        V = torch.linalg.solve_triangular(L.mT, torch.linalg.solve_triangular(L, V, upper=False), upper=True)
+        V = torch.linalg.qr(V)[0]
+    del L
+    say("Rayleigh–Ritz with J", force=True)
+    R = r_factor(J, V)  # Rayleigh–Ritz with J: singular values unsquared
+    _, S, Wh = torch.linalg.svd(R, full_matrices=True)
     if S.numel() < b:  # fewer outputs than block vectors: the missing singular values are exact zeros
         S = torch.cat([S, S.new_zeros(b - S.numel())])
     order = torch.argsort(S)
@@ -379,7 +431,64 @@ def measure(
     }
 
 
+def _expected_block(model: nn.Module, n: int, rows: int, width: int, extra: int) -> int:
+    """The subspace block the spectrum will need: the nullity expected plus ``extra``. On generic weights
+    the nullity is the complete count (``n/2`` when the model cannot be counted), unless the data is too
+    little: a position's outputs (``width`` of them, through the head) reach the parameters below the
+    head through ``d_model`` numbers, so ``rank J ≤ positions·d_model + width·(d_model + 1)``."""
+    from gaugeopt.tools.counting import gauge_dimension
+
+    try:
+        expected = int(gauge_dimension(model, "complete"))
+    except GaugeError:
+        expected = n // 2
+    bound = n - rows
+    try:
+        from gaugeopt.structure.registry import find_attention
+
+        d = find_attention(model)[0].d_model
+        bound = max(bound, n - (rows // width) * d - width * (d + 1))
+    except (GaugeError, IndexError):
+        pass  # no attention record: only the number of rows bounds the rank
+    return min(n, max(expected, bound) + extra)
+
+
 # ---------------------------------------------------------------------- the public entry point
+def preflight(
+    model: nn.Module,
+    *example_inputs: Any,
+    outputs: Callable[[Any], torch.Tensor] | None = None,
+    max_params: int = DEFAULT_MAX_PARAMS,
+    max_memory: float | None = None,
+    forward_context: Callable[[], ContextManager] | None = None,
+    extra: int = 48,
+) -> tuple[MemoryEstimate, int]:
+    """What :func:`flat_directions` checks before it starts, without starting: float64 parameters,
+    example inputs, ``max_params`` and the memory (:func:`~gaugeopt.tools.flat_cost.check_memory`).
+    Returns the memory estimate and the number of outputs per example (one forward of one example).
+
+    Raises:
+        GaugeError: as :func:`flat_directions`.
+    """
+    bad = [n for n, p in model.named_parameters() if p.dtype != torch.float64]
+    if bad:
+        raise GaugeError(f"flat_directions: parameter {bad[0]} is {dict(model.named_parameters())[bad[0]].dtype}; "
+                         "the meter resolves singular values down to 1e-15·σ_max only in float64: call model.double() first")
+    if not example_inputs:
+        raise GaugeError("flat_directions: pass example inputs (e.g. covering_tokens(vocab, length, n_sequences))")
+    n = sum(p.numel() for p in model.parameters())
+    lead = example_inputs[0].shape[0]
+    with torch.no_grad(), (forward_context or contextlib.nullcontext)():
+        out = (outputs or _default_outputs)(model(*(a[:1] if isinstance(a, torch.Tensor) else a for a in example_inputs)))
+    per_example = out.numel()
+    rows = lead * per_example
+    need = estimate_memory(n, rows, per_example, _expected_block(model, n, rows, out.shape[-1] if out.dim() else 1, extra))
+    if n > max_params:
+        raise GaugeError(too_large_message(n, max_params, need))
+    check_memory(need, max_memory)
+    return need, per_example
+
+
 def flat_directions(
     model: nn.Module,
     *example_inputs: Any,
@@ -387,7 +496,9 @@ def flat_directions(
     tol: float | None = None,
     attribute: bool = True,
     max_params: int = DEFAULT_MAX_PARAMS,
+    max_memory: float | None = None,
     progress: bool | Callable[[str], None] | None = None,
+    forward_context: Callable[[], ContextManager] | None = None,
     **kw: Any,
 ) -> FlatReport:
     """Measure the flat directions of ``model`` at its current parameters, and attribute them.
@@ -400,9 +511,17 @@ def flat_directions(
         outputs: ``model output → tensor`` (default ``.logits``, else ``[0]`` of a tuple, else the output).
         tol: relative tolerance ``σ/σ_max`` for the rank (default: across the largest gap).
         attribute: attribute the null space to the known sectors (:mod:`gaugeopt.tools.attribution`).
-        max_params: refuse larger models (the method is dense: ``n²`` memory).
-        progress: ``True`` prints stage lines on stderr, ``False`` nothing, a callable receives
-            them; ``None`` prints when the model has more than 3,000 parameters.
+        max_params: refuse larger models (the method is dense: ``n²`` memory, ``rows·n²`` time).
+        max_memory: refuse when :func:`estimate_memory` says the run needs more bytes than this
+            (default: the memory available now, :func:`available_memory`; ``math.inf`` never refuses).
+        progress: ``True`` prints stage lines on stderr from the start, ``False`` nothing, a callable
+            receives them (also from a heartbeat thread during long steps); ``None`` prints once the
+            run has taken 10 s.
+        forward_context: a context-manager factory entered around every forward the meter runs (the
+            Jacobian, the finite checks) and never while it finds the model's records — e.g. one that
+            computes a float32 step in float64 (Hugging Face's RMSNorms), which gaugeopt's adapters
+            would refuse as a patched forward. Without it, families hidden only by a float32 step are
+            labelled as such (:attr:`SectorRow.float32`).
         **kw: ``count_rtol``, ``extra``, ``shift_rtol``, ``iters``, ``sigma_floor``, ``min_gap`` of :func:`measure`;
             ``angle_tol``, ``exact_tol``, ``seed`` of :func:`gaugeopt.tools.attribution.attribute`.
 
@@ -410,49 +529,53 @@ def flat_directions(
         :class:`FlatReport`; ``str(report.table())`` prints it.
 
     Raises:
-        GaugeError: a parameter that is not float64, too many parameters, or no example inputs.
+        GaugeError: a parameter that is not float64, too many parameters, more memory needed than
+            is available (the message says how much and what to do), or no example inputs.
     """
-    bad = [n for n, p in model.named_parameters() if p.dtype != torch.float64]
-    if bad:
-        raise GaugeError(f"flat_directions: parameter {bad[0]} is {dict(model.named_parameters())[bad[0]].dtype}; "
-                         "the meter resolves singular values down to 1e-15·σ_max only in float64: call model.double() first")
-    n = sum(p.numel() for p in model.parameters())
-    if n > max_params:
-        raise GaugeError(too_large_message(n, max_params))
-    if not example_inputs:
-        raise GaugeError("flat_directions: pass example inputs (e.g. covering_tokens(vocab, length, n_sequences))")
-    lead = example_inputs[0].shape[0]
-    with torch.no_grad():
-        per_example = (outputs or _default_outputs)(model(*(a[:1] if isinstance(a, torch.Tensor) else a
-                                                              for a in example_inputs))).numel()
-    # one reverse-mode call per example: a batch would backpropagate every output through every example
+    need, per_example = preflight(model, *example_inputs, outputs=outputs, max_params=max_params, max_memory=max_memory,
+                                  forward_context=forward_context, extra=kw.get("extra", 48))
+    n, lead, rows = need.n_params, example_inputs[0].shape[0], need.n_rows
+    context = forward_context or contextlib.nullcontext
+    # one reverse-mode pass per example: a batch would backpropagate every output through every example
     examples = [tuple(a[i:i + 1] if isinstance(a, torch.Tensor) else a for a in example_inputs) for i in range(lead)]
     meas_kw = {k: kw.pop(k) for k in ("count_rtol", "extra", "shift_rtol", "iters", "sigma_floor", "min_gap") if k in kw}
-    prog = _Progress(progress, n)
-    t0 = time.perf_counter()
-    J, names, sizes = _jacobian(model, examples, lead * per_example, outputs or _default_outputs, prog)
-    t1 = time.perf_counter()
-    prog(f"Jacobian {tuple(J.shape)} done; spectrum", force=True)
-    res = measure(J, tol=tol, **meas_kw)
-    t2 = time.perf_counter()
-    dead = torch.nonzero((J != 0).sum(0) == 0).flatten().tolist()
-    rep = FlatReport(
+    prog = Progress(progress)
+    try:
+        prog(f"{n:,} parameters, Jacobian {lead * per_example:,} rows; {need.describe()}", force=True)
+        t0 = time.perf_counter()
+        with context():
+            J, names, sizes = _jacobian(model, examples, lead * per_example, outputs or _default_outputs, prog)
+        t1 = time.perf_counter()
+        res = measure(J, tol=tol, progress=prog, memory=(need, max_memory), **meas_kw)
+        t2 = time.perf_counter()
+        rep = _report(model, J, names, sizes, lead, res, meas_kw, {"jacobian": t1 - t0, "spectrum": t2 - t1})
+        if attribute:
+            from gaugeopt.tools.attribution import attribute as _attribute
+
+            prog(f"nullity {rep.nullity} at tol {rep.tol:.1e}; attributing", force=True)
+            run_inputs = tuple(a[: min(lead, 8)] if isinstance(a, torch.Tensor) else a for a in example_inputs)
+            _attribute(rep, model, run_inputs, outputs or _default_outputs, progress=prog, forward_context=forward_context,
+                       **kw)
+            rep.timings["attribution"] = time.perf_counter() - t2
+    finally:
+        prog.close()
+    return rep
+
+
+def _report(model, J, names, sizes, lead, res, meas_kw, timings) -> FlatReport:
+    read = torch.zeros(J.shape[1], dtype=torch.bool)
+    step = chunk_rows(J.shape[1], 1 << 24)
+    for s in range(0, J.shape[0], step):  # by row chunks: a whole-J mask would cost J's size again
+        read |= (J[s:s + step] != 0).any(0)
+    dead = torch.nonzero(~read).flatten().tolist()
+    return FlatReport(
         n_params=J.shape[1], n_outputs=J.shape[0], n_examples=lead, rank=J.shape[1] - res["nullity"],
         nullity=res["nullity"], tol=res["tol"], sigma_max=res["sigma_max"], sigma_kept=res["sigma_kept"],
         sigma_null=res["sigma_null"], gap=res["gap"], second_gap=res["second_gap"], tail=res["tail"],
         inertia_count=res["inertia_count"], count_rtol=meas_kw.get("count_rtol", 1e-5),
         unused=[_coord_name(names, sizes, model, i) for i in dead], unused_index=dead, names=names, sizes=sizes,
-        null_basis=res["null"], jacobian=J, above_basis=res["above"],
-        timings={"jacobian": t1 - t0, "spectrum": t2 - t1},
+        null_basis=res["null"], jacobian=J, above_basis=res["above"], timings=timings,
     )
-    if attribute:
-        from gaugeopt.tools.attribution import attribute as _attribute
-
-        prog(f"nullity {rep.nullity} at tol {rep.tol:.1e}; attributing", force=True)
-        run_inputs = tuple(a[: min(lead, 8)] if isinstance(a, torch.Tensor) else a for a in example_inputs)
-        _attribute(rep, model, run_inputs, outputs or _default_outputs, progress=prog, **kw)
-        rep.timings["attribution"] = time.perf_counter() - t2
-    return rep
 
 
 def _coord_name(names: list[str], sizes: list[int], model: nn.Module, i: int) -> str:
