@@ -39,6 +39,8 @@ from gaugeopt.structure.linears import site_from_linears
 from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
 from gaugeopt.structure.certificate import CertificateReport, certify
 from gaugeopt.fix.transport import register_state_rule
+from gaugeopt.structure.logits import max_attention_logits
+from gaugeopt.fix.qk_clip import QKClipReport, qk_clip
 
 __version__ = "0.1.0"
 
@@ -54,6 +56,7 @@ __all__ = [
     "GaugeFixer",
     "GaugeProjected",
     "GaugeProjector",
+    "QKClipReport",
     "LRMLinear",
     "RopeSpec",
     "apply_lrm",
@@ -68,7 +71,9 @@ __all__ = [
     "invalid_gauge_transform",
     "load_checkpoint",
     "lrm_param_groups",
+    "max_attention_logits",
     "merge",
+    "qk_clip",
     "qk_drift",
     "random_gauge_transform",
     "register_adapter",
