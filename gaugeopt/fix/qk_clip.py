@@ -186,8 +186,8 @@ def clip_factors(maxima: torch.Tensor, h_kv: int, tau: float, alpha: float) -> t
     over = usable & (m > tau)
     eta = torch.where(over, tau / torch.where(usable, m, torch.ones_like(m)), torch.ones_like(m))
     f_k = eta.view(h_kv, h // h_kv).amin(1) ** (1.0 - alpha)
-    after_k = torch.where(usable, m, torch.zeros_like(m)) * f_k.repeat_interleave(h // h_kv)
-    f_q = torch.where(over & (after_k > tau), tau / after_k.clamp_min(tau), torch.ones_like(m))
+    # τ / (m_i · f_K) written as η_i / f_K: the worst head gets exactly η^α (and 1 when α = 0)
+    f_q = torch.where(over, (eta / f_k.repeat_interleave(h // h_kv)).clamp_max(1.0), torch.ones_like(m))
     return f_q, f_k, skipped
 
 
