@@ -77,7 +77,7 @@ CONDITIONS: dict[str, dict] = {
 FULL = dict(rates=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], seeds=[0, 1, 2], steps=400, batch=16, block=128,
             n_layer=4, n_embd=128, val_batches=8, tau=30.0, product_max=2.0, max_chars=6_000_000)
 QUICK = dict(rates=[3e-3, 3e-1], seeds=[0], steps=6, batch=4, block=32, n_layer=2, n_embd=32, val_batches=2,
-             tau=0.5, product_max=1.0, max_chars=200_000)
+             tau=0.05, product_max=1.0, max_chars=200_000)
 
 
 # ---------------------------------------------------------------------- data
