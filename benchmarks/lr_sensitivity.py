@@ -30,12 +30,12 @@ the untrained model by 1 nat after the warmup, is stopped and counted as diverge
 
 Per condition and learning rate: the final validation loss (mean ± std over seeds; a diverged run counts
 as the untrained model's loss ``L0``, as in Wortsman et al.), the largest attention logit seen
-(:func:`gaugeopt.max_attention_logits` on the training batch every 25 steps), and the
+(:func:`gaugeopt.max_attention_logits` on the training batch every 50 steps), and the
 **LR sensitivity** ``E_lr[min(L(lr), L0) − L*]``, the mean excess over the best loss ``L*`` of the
 whole study.
 
 Hardware: 2 CPU cores (one run per core, one thread each), about an hour for the full study
-(7 conditions × 5 rates × 3 seeds × 400 steps of 16×128 characters). Launch (repository root):
+(7 conditions × 5 rates × 3 seeds × 300 steps of 16×128 characters). Launch (repository root):
 
     python benchmarks/lr_sensitivity.py                   # writes benchmarks/results/lr_sensitivity_cpu.{json,csv,md,png}
     python benchmarks/lr_sensitivity.py --quick           # seconds: tiny model, every condition, 2 rates, 1 seed
@@ -74,7 +74,7 @@ CONDITIONS: dict[str, dict] = {
     "lrm_B_fix1_clip": dict(lrm=True, groups="B", fix_every=1, clip=True),
 }
 
-FULL = dict(rates=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], seeds=[0, 1, 2], steps=400, batch=16, block=128,
+FULL = dict(rates=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], seeds=[0, 1, 2], steps=300, batch=16, block=128,
             n_layer=4, n_embd=128, val_batches=8, tau=30.0, product_max=2.0, max_chars=6_000_000)
 QUICK = dict(rates=[3e-3, 3e-1], seeds=[0], steps=6, batch=4, block=32, n_layer=2, n_embd=32, val_batches=2,
              tau=0.05, product_max=1.0, max_chars=200_000)
@@ -174,7 +174,7 @@ def run(spec: dict) -> dict:
     for step, (x, y) in enumerate(windows(data["train"], steps, cfg["batch"], cfg["block"], g)):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, spec["lr"])
-        if step % 25 == 0 or step == steps - 1:
+        if step % 50 == 0 or step == steps - 1:
             m = gaugeopt.max_attention_logits(model, x, sites=sites)
             logits.append((step, max(float(v.max()) for v in m.values())))
         with torch.autocast("cpu", dtype=torch.bfloat16):
