@@ -16,8 +16,8 @@ condition              what
 ``lrm_A``              learnable multipliers, decay 2e-3 on every multiplier (paper 002's A)
 ``lrm_B_fix1``         multipliers, no decay on r_Q/r_K, GaugeFix after every step (paper 002's B)
 ``lrm_B_fix100``       the same, GaugeFix every 100 steps (paper 002's best frequency)
-``lrm_B_fix1_pmax``    B with magnitude control ``product_max`` on s_Q·s_K
-``adamw_clip``         plain model with QK-Clip (τ, α = 0.5) after every step
+``lrm_B_fix1_pmax``    B with magnitude control ``product_max = 1``: s_Q·s_K capped at its initial value
+``adamw_clip``         plain model with QK-Clip (τ = 100, Kimi K2's value, α = 0.5) after every step
 ``lrm_B_fix1_clip``    B with QK-Clip before each balance (clip the magnitude, then balance)
 =====================  ===================================================================================
 
@@ -28,6 +28,9 @@ same function) and batches; AdamW β = (0.9, 0.95), gradients clipped at norm 1.
 Lightning and Hugging Face callbacks do. A run whose training loss is not finite, or exceeds the loss of
 the untrained model by 1 nat after the warmup, is stopped and counted as diverged.
 
+Learning rates 3e-3 (the demo's) to 1 in factors of ~3: plain AdamW is fine up to 1e-2, degrades from 3e-2 on
+while its largest attention logit grows from ~10² to ~10⁷, and diverges at 1 (a pilot run).
+
 Per condition and learning rate: the final validation loss (mean ± std over seeds; a diverged run counts
 as the untrained model's loss ``L0``, as in Wortsman et al.), the largest attention logit seen
 (:func:`gaugeopt.max_attention_logits` on the training batch every 50 steps), and the
@@ -35,7 +38,7 @@ as the untrained model's loss ``L0``, as in Wortsman et al.), the largest attent
 whole study.
 
 Hardware: 2 CPU cores (one run per core, one thread each), about an hour for the full study
-(7 conditions × 5 rates × 3 seeds × 300 steps of 16×128 characters). Launch (repository root):
+(7 conditions × 6 rates × 3 seeds × 300 steps of 16×128 characters). Launch (repository root):
 
     python benchmarks/lr_sensitivity.py                   # writes benchmarks/results/lr_sensitivity_cpu.{json,csv,md,png}
     python benchmarks/lr_sensitivity.py --quick           # seconds: tiny model, every condition, 2 rates, 1 seed
@@ -74,8 +77,8 @@ CONDITIONS: dict[str, dict] = {
     "lrm_B_fix1_clip": dict(lrm=True, groups="B", fix_every=1, clip=True),
 }
 
-FULL = dict(rates=[1e-3, 3e-3, 1e-2, 3e-2, 1e-1], seeds=[0, 1, 2], steps=300, batch=16, block=128,
-            n_layer=4, n_embd=128, val_batches=8, tau=30.0, product_max=2.0, max_chars=6_000_000)
+FULL = dict(rates=[3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0], seeds=[0, 1, 2], steps=300, batch=16, block=128,
+            n_layer=4, n_embd=128, val_batches=8, tau=100.0, product_max=1.0, max_chars=6_000_000)
 QUICK = dict(rates=[3e-3, 3e-1], seeds=[0], steps=6, batch=4, block=32, n_layer=2, n_embd=32, val_batches=2,
              tau=0.05, product_max=1.0, max_chars=200_000)
 
