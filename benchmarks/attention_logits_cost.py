@@ -13,8 +13,8 @@ the compute thread's CPU time, one intra-op thread — :func:`speed.make_bench`)
   after the step; τ chosen so that some heads are clipped).
 
 Shapes: the CPU demo's char GPT (4 layers, width 128, 4 query / 2 KV heads, 16×128 tokens), GPT-2 small's
-layer shape (width 768, 12 heads, 2 layers, 2×512 tokens), a Llama-like GQA layer shape (width 1024, 16
-query / 4 KV heads, split-half RoPE, 2 layers, 1×1024 tokens).
+layer shape (width 768, 12 heads, 2 layers, 1×512 tokens), a Llama-like GQA layer shape (width 1024, 16
+query / 4 KV heads, split-half RoPE, 2 layers, 1×512 tokens).
 
 Run (repository root): ``python benchmarks/attention_logits_cost.py`` (CPU, ~2 min) — writes
 ``benchmarks/results/attention_logits_cost_cpu.md``; ``--smoke`` for a seconds-long check.
@@ -41,9 +41,9 @@ from speed import make_bench  # noqa: E402
 
 SHAPES = {
     "demo-4l128": (dict(vocab_size=128, n_layer=4, n_head=4, n_kv_head=2, n_embd=128, bias=True), 16, 128),
-    "gpt2-layer": (dict(vocab_size=50304, n_layer=2, n_head=12, n_embd=768, bias=True), 2, 512),
+    "gpt2-layer": (dict(vocab_size=50304, n_layer=2, n_head=12, n_embd=768, bias=True), 1, 512),
     "llama-gqa-layer": (dict(vocab_size=32000, n_layer=2, n_head=16, n_kv_head=4, n_embd=1024, bias=False, rope="split_half",
-                             norm="rmsnorm", mlp="swiglu"), 1, 1024),
+                             norm="rmsnorm", mlp="swiglu"), 1, 512),
 }
 SMOKE = {"demo-tiny": (dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=True), 2, 16)}
 

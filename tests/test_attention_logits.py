@@ -27,6 +27,7 @@ SDPA_CASES = [
     ("gpt_qknorm", False), ("gpt_qknorm_partial_interleaved", False), ("gpt_qknorm", True),
     ("hf_gpt2", False), ("hf_gpt2", True), ("hf_llama", False), ("hf_llama", True), ("hf_qwen2", False), ("hf_mistral", False),
     ("hf_qwen3", False), ("hf_olmo2", False), ("hf_gemma3", False), ("hf_mixtral", False), ("hf_phi3_partial", False),
+    ("hf_gemma", False), ("hf_olmo", False),
     ("nanogpt", False),
 ]
 IDS = [n + ("+lrm" if lrm else "") for n, lrm in SDPA_CASES]
