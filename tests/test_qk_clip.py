@@ -323,3 +323,21 @@ def test_optimizer_must_own_the_rescaled_tensors():
     other = torch.optim.AdamW([nn.Parameter(torch.ones(3))])
     with pytest.raises(GaugeError, match="steps none of the"):
         gaugeopt.qk_clip(case.model, other, maxima, tau=1e-3)
+
+
+def test_unknown_optimizer_state_refused_before_any_write():
+    """Adamax has no state rule: the clip raises before touching a parameter; "reset" drops the rescaled
+    tensors' state instead, "leave" keeps it."""
+    case = zoo.build("gpt_gqa")
+    opt = torch.optim.Adamax(case.model.parameters(), lr=1e-3)
+    logits = case.forward(case.model)
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), case.inputs.reshape(-1)).backward()
+    opt.step()
+    maxima = gaugeopt.max_attention_logits(case.model, case.inputs)
+    tau = _tau(torch.stack(list(maxima.values())))
+    before = snapshot_params(case.model)
+    with pytest.raises(GaugeError, match="Adamax"):
+        gaugeopt.qk_clip(case.model, opt, maxima, tau=tau)
+    assert all(torch.equal(p, before[n]) for n, p in case.model.named_parameters())
+    report = gaugeopt.qk_clip(case.model, opt, maxima, tau=tau, unknown_state="reset")
+    assert report.reset and all(not opt.state.get(dict(case.model.named_parameters())[n]) for n in report.reset)
