@@ -264,14 +264,14 @@ def markdown(summary: dict, header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict, path: str, title: str) -> None:
+def plot(summary: dict, path: str, title: str, tau: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     conds = [c for c in CONDITIONS if c in summary["per"]]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 4.8), gridspec_kw=dict(width_ratios=[3, 2]))
+    fig, (ax, lx, bx) = plt.subplots(1, 3, figsize=(19, 4.8), gridspec_kw=dict(width_ratios=[3, 3, 2]))
     styles = ["-o", "--s", ":^", "-.v", "-D", "--x", ":P"]
     for i, c in enumerate(conds):
         rates = sorted(summary["per"][c])
@@ -281,6 +281,15 @@ def plot(summary: dict, path: str, title: str) -> None:
     ax.set(xscale="log", xlabel="peak learning rate", ylabel="final validation loss (nats/char)", title="loss against learning rate")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    for i, c in enumerate(conds):
+        rates = sorted(summary["per"][c])
+        lx.plot(rates, [max(summary["per"][c][lr]["max_logit"], 1e-1) for lr in rates], styles[i % len(styles)], label=c,
+                markersize=4, linewidth=1.4)
+    if tau is not None:
+        lx.axhline(tau, color="grey", linewidth=0.8, linestyle=":")
+    lx.set(xscale="log", yscale="log", xlabel="peak learning rate", ylabel="largest attention logit (max over seeds)",
+           title="attention-logit growth" + ("" if tau is None else f" (QK-Clip τ = {tau:g}, dotted)"))
+    lx.grid(alpha=0.3)
     sens = [summary["sensitivity"][c] for c in conds]
     bx.barh(range(len(conds)), [s["mean"] for s in sens], xerr=[s["std"] for s in sens], capsize=3, color="tab:blue", alpha=0.7)
     bx.set_yticks(range(len(conds)), conds, fontsize=8)
@@ -360,18 +369,20 @@ def main(argv: list[str] | None = None) -> int:
             with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
                 for fut in as_completed([pool.submit(run, spec) for spec in specs]):
                     record(fut.result())
-    elapsed = time.perf_counter() - started
+    elapsed = time.perf_counter() - started  # this invocation; with --resume the runs' own times are summed below
     rows = [r for r in rows if r["condition"] in conds]
     loss0 = validation_loss(build(cfg, data["vocab"], 0), data, cfg)  # the untrained model (LRM starts from the same function)
     summary = summarise(rows, loss0)
     header = (f"### LR sensitivity, {data['name']} characters: 4 query / 2 KV heads, {cfg['n_layer']} layers, width "
               f"{cfg['n_embd']}, {cfg['steps']} steps × {cfg['batch']}×{cfg['block']} tokens, bf16 autocast, QK-Clip τ = "
-              f"{cfg['tau']:g}, product_max = {cfg['product_max']:g} (CPU, torch {torch.__version__}, {elapsed:.0f} s)")
+              f"{cfg['tau']:g}, product_max = {cfg['product_max']:g} (CPU, torch {torch.__version__}; {len(rows)} runs, "
+              f"{sum(r['seconds'] for r in rows) / 60:.0f} min of run time in all)")
     text = markdown(summary, header)
     with open(out + ".md", "w") as f:
         f.write(text)
     with open(out + ".json", "w") as f:
-        json.dump(dict(config={k: v for k, v in cfg.items()}, corpus=data["name"], seconds=elapsed, summary=summary,
+        json.dump(dict(config={k: v for k, v in cfg.items()}, corpus=data["name"], seconds=elapsed,
+                       run_seconds=sum(r["seconds"] for r in rows), summary=summary,
                        runs=rows), f, indent=1)
     with open(out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["condition", "lr", "seed", "val_loss", "diverged", "steps", "max_logit",
@@ -380,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             w.writerow({k: r[k] for k in w.fieldnames})
     if not args.no_plot:
-        plot(summary, out + ".png", header.lstrip("# "))
+        plot(summary, out + ".png", header.lstrip("# "), cfg["tau"])
     print("\n" + text + f"\nwrote {out}.{{md,json,csv,jsonl}}" + ("" if args.no_plot else " and .png"), flush=True)
     return 0
 
