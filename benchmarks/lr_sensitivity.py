@@ -225,8 +225,9 @@ def summarise(rows: list[dict], loss0: float) -> dict:
             vals = [capped(r) for r in rs]
             mean = sum(vals) / len(vals)
             std = math.sqrt(sum((v - mean) ** 2 for v in vals) / max(1, len(vals) - 1))
+            kept = [r["max_logit"] for r in rs if not r["diverged"]]  # a diverged run's samples stop early
             per[cond][lr] = dict(mean=mean, std=std, n=len(rs), diverged=sum(r["diverged"] for r in rs),
-                                 max_logit=max(r["max_logit"] for r in rs))
+                                 max_logit=max(kept) if kept else math.nan)
     best = min(v["mean"] for c in per.values() for v in c.values())
     sensitivity = {}
     for cond, by_lr in per.items():
@@ -256,11 +257,13 @@ def markdown(summary: dict, header: str) -> str:
             cells.append("–" if v is None else f"{v['mean']:.4f} ± {v['std']:.4f}" + (f" ({v['diverged']}/{v['n']})" if v["diverged"] else ""))
         s = summary["sensitivity"][c]
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {s['mean']:.4f} ± {s['std']:.4f} |")
-    lines += ["", "Largest attention logit seen in training (max over seeds and the sampled steps):", "",
+    lines += ["", "Largest attention logit seen in training (max over the seeds that did not diverge and the sampled "
+              "steps, every 50th, before that step's clip; `div.`: every seed diverged):", "",
               "| condition | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|" + "---|" * len(rates)]
     for c in conds:
         lines.append(f"| {c} | " + " | ".join(
-            f"{summary['per'][c][lr]['max_logit']:.1f}" if lr in summary["per"][c] else "–" for lr in rates) + " |")
+            ("div." if math.isnan(summary["per"][c][lr]["max_logit"]) else f"{summary['per'][c][lr]['max_logit']:.1f}")
+            if lr in summary["per"][c] else "–" for lr in rates) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -283,7 +286,8 @@ def plot(summary: dict, path: str, title: str, tau: float | None = None) -> None
     ax.legend(fontsize=8)
     for i, c in enumerate(conds):
         rates = sorted(summary["per"][c])
-        lx.plot(rates, [max(summary["per"][c][lr]["max_logit"], 1e-1) for lr in rates], styles[i % len(styles)], label=c,
+        rates = [lr for lr in rates if not math.isnan(summary["per"][c][lr]["max_logit"])]
+        lx.plot(rates, [summary["per"][c][lr]["max_logit"] for lr in rates], styles[i % len(styles)], label=c,
                 markersize=4, linewidth=1.4)
     if tau is not None:
         lx.axhline(tau, color="grey", linewidth=0.8, linestyle=":")
