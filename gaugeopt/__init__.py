@@ -42,6 +42,8 @@ from gaugeopt.structure.gate import assume_certified
 from gaugeopt.structure.static_checks import read_only_hook
 from gaugeopt.structure.stock import accept_patch
 from gaugeopt.fix.transport import register_state_rule
+from gaugeopt.structure.logits import max_attention_logits
+from gaugeopt.fix.qk_clip import QKClipReport, qk_clip
 
 __version__ = "0.1.0"
 
@@ -58,6 +60,7 @@ __all__ = [
     "GaugeFixer",
     "GaugeProjected",
     "GaugeProjector",
+    "QKClipReport",
     "LRMLinear",
     "RopeSpec",
     "apply_lrm",
@@ -73,7 +76,9 @@ __all__ = [
     "invalid_gauge_transform",
     "load_checkpoint",
     "lrm_param_groups",
+    "max_attention_logits",
     "merge",
+    "qk_clip",
     "qk_drift",
     "random_gauge_transform",
     "read_only_hook",

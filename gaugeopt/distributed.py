@@ -39,7 +39,7 @@ import torch
 
 from gaugeopt.errors import GaugeError
 
-__all__ = ["is_dtensor", "full", "local_view", "local_factor"]
+__all__ = ["is_dtensor", "full", "local_view", "local_factor", "all_reduce_max"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,3 +94,28 @@ def local_factor(factor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
                 "Replicate, as FSDP2 and DDP produce); gather the parameter or fix the gauge before sharding it"
             )
     return distribute_tensor(factor, like.device_mesh, placements, src_data_rank=None).to_local()
+
+
+def all_reduce_max(t: torch.Tensor, group=None) -> tuple[torch.Tensor, bool]:
+    """The elementwise maximum of ``t`` over the ranks of ``group`` (the default group), and whether a
+    reduction took place (``False`` without an initialised process group of more than one rank).
+
+    NaN is not ordered, so a collective would treat it rank-dependently: it is sent as ``+inf``, which
+    every rank then reads alike. The reduction runs on the device the backend needs (CUDA for NCCL) and
+    the result comes back on ``t``'s device.
+
+    Example (one process: nothing to reduce):
+        >>> import torch
+        >>> from gaugeopt.distributed import all_reduce_max
+        >>> all_reduce_max(torch.tensor([1.0, float("nan")]))
+        (tensor([1., nan]), False)
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return t, False
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    buf = torch.nan_to_num(t.detach().to(device=device, copy=True), nan=float("inf"), posinf=float("inf"),
+                           neginf=float("-inf"))
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    return buf.to(t.device), True

@@ -83,3 +83,29 @@ def test_trust_cost_smoke(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| GPT-2") or line.startswith("| Llama")]
     assert len(rows) == 2 and report.startswith("# The cost of trust")
     assert all(len(r.split("|")) == 10 for r in rows)
+
+
+@pytest.mark.slow
+def test_lr_sensitivity_quick(tmp_path):
+    study = _load("lr_sensitivity")
+    out = tmp_path / "study"
+    assert study.main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    runs = data["runs"]
+    assert {r["condition"] for r in runs} == set(study.CONDITIONS) and len(runs) == len(study.CONDITIONS) * 2
+    assert set(data["summary"]["sensitivity"]) == set(study.CONDITIONS)
+    slow = [r for r in runs if r["lr"] == min(study.QUICK["rates"])]
+    assert not any(r["diverged"] for r in slow) and all(r["val_loss"] < data["summary"]["loss0"] for r in slow)
+    assert all(r["steps_clipped"] > 0 for r in slow if r["condition"].endswith("clip"))  # τ acts in the quick run
+    assert all(r["qk_drift"] < 1e-6 for r in slow if r["condition"] in ("lrm_B_fix1", "lrm_B_fix1_pmax", "lrm_B_fix1_clip"))
+    assert out.with_suffix(".csv").read_text().startswith("condition,lr,seed")
+    assert out.with_suffix(".png").stat().st_size > 0 and "LR sensitivity" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.slow
+def test_attention_logits_cost_smoke(tmp_path):
+    cost = _load("attention_logits_cost")
+    out = tmp_path / "cost.md"
+    assert cost.main(["--smoke", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "forward + logits / forward" in text and "train step + QK-Clip / train step" in text

@@ -6,6 +6,8 @@
 * :mod:`.gaugefix` — :class:`GaugeFixer` and :func:`gauge_fix`: validation, state, the report;
 * :mod:`.torch_backend`, :mod:`.triton_backend` — the two backends that compute the numbers;
 * :mod:`.report` — :class:`GaugeFixReport`;
+* :mod:`.qk_clip` — QK-Clip (:func:`gaugeopt.qk_clip`): cap each head's maximum logit by rescaling its
+  query and key side through the records (a deliberate change of function, with the same state transport);
 * :mod:`.transport` — optimizer-state transport for diagonal rescales (DTensor-aware through
   :mod:`gaugeopt.distributed`), several optimizers per model;
 * :mod:`.state_rules` — how each optimizer's state moves: exact, declared approximate, or refused.

@@ -4,10 +4,12 @@
   with optimizer-state transport, logging drift before/after and the scale product.
 * :class:`GaugeProjection` — gauge-orthogonal projection of the update (or the gradient), the
   callback form of :class:`gaugeopt.GaugeProjected`.
+* :class:`QKClip` — QK-Clip (:func:`gaugeopt.qk_clip`) after every ``every``-th optimizer step, on
+  the maxima of that step's training forwards; before GaugeFix when both are given.
 * :class:`GaugeMonitor` — measures only (drift, scale product, vertical fraction of the last
   update) every ``every`` optimizer steps; cheap enough to leave on.
 
-All three call the framework-free cores (:mod:`gaugeopt.integrations.steps` for the step counting,
+All of them call the framework-free cores (:mod:`gaugeopt.integrations.steps` for the step counting,
 the fix and the projection — shared with the Hugging Face Trainer callbacks —,
 :func:`gaugeopt.vertical_fraction`); nothing is re-implemented here.
 
@@ -57,11 +59,12 @@ from typing_extensions import override
 from gaugeopt.fix.drift import drift_table, product_stats, worst
 from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.plan import MODES, check_choice
+from gaugeopt.integrations.clip import ClipSteps
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps, StepCounter, owning_optimizers
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.registry import find_attention
 
-__all__ = ["GaugeFix", "GaugeMonitor", "GaugeProjection"]
+__all__ = ["GaugeFix", "GaugeMonitor", "GaugeProjection", "QKClip"]
 
 
 class _StepCounter(StepCounter, Callback):
@@ -220,3 +223,24 @@ class GaugeProjection(ProjectSteps, _StepCounter):
         super().on_before_optimizer_step(trainer, pl_module, optimizer)  # the certificate first
         if self.target == "grad" and not self._round and any(optimizer is o for o in self._optimizers):
             self.project_grads()  # the round's first step: every owner's gradients are final
+
+
+class QKClip(ClipSteps, _StepCounter):
+    """QK-Clip (:func:`gaugeopt.qk_clip`) after every ``every``-th optimizer step.
+
+    Arguments as :class:`gaugeopt.integrations.clip.ClipSteps` (``tau=100``, ``every=1``, ``alpha=0.5``,
+    ``transport_state``, ``unknown_state``, ``sites``, ``log_per_layer``, ``prefix="qk_clip/"``,
+    ``certify``). The maxima are read in the training forwards of each clipping step (every
+    micro-batch under ``accumulate_grad_batches``; not the validation loop), MAX-reduced across DDP
+    ranks, and the clip runs in the optimizer's step post-hook. With ``GaugeFix`` in the same
+    ``Trainer`` the clip runs first, then the balance, whatever the order of the callbacks.
+
+    Logged at each clip: ``{prefix}max_logit_before``, ``{prefix}max_logit_after``, ``{prefix}heads_over``,
+    ``{prefix}heads_rescaled``, ``{prefix}heads_skipped``, ``{prefix}min_factor``, ``{prefix}clips``.
+
+    Example:
+        >>> from gaugeopt.callbacks import GaugeFix, QKClip
+        >>> callbacks = [QKClip(tau=100.0), GaugeFix(every=100)]   # clip the magnitude, then balance
+        >>> callbacks[0].options["tau"], callbacks[0].every
+        (100.0, 1)
+    """

@@ -4,6 +4,8 @@
   optimizer-state transport (:class:`gaugeopt.integrations.steps.FixSteps`).
 * :class:`GaugeProjectionCallback` — gauge-orthogonal projection of every step (or gradient)
   (:class:`gaugeopt.integrations.steps.ProjectSteps`, the functions of :class:`gaugeopt.GaugeProjected`).
+* :class:`QKClipCallback` — QK-Clip after every ``every``-th optimizer step
+  (:class:`gaugeopt.integrations.clip.ClipSteps`); before GaugeFix when both are given.
 
 The counting, the policy, the actions and the counters are the framework-free core's
 (:mod:`gaugeopt.integrations.steps`, shared with the Lightning callbacks); this module only
@@ -55,9 +57,10 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.integrations.clip import ClipSteps
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizers
 
-__all__ = ["GaugeFixCallback", "GaugeProjectionCallback"]
+__all__ = ["GaugeFixCallback", "GaugeProjectionCallback", "QKClipCallback"]
 
 
 def _log_before_the_loggers(callback: TrainerCallback, frame) -> None:
@@ -216,4 +219,37 @@ class GaugeProjectionCallback(_TrainerSide, ProjectSteps):
         args = dict(mode=mode, target=target, sectors=sectors if isinstance(sectors, str) else list(sectors),
                     log_every=log_every, prefix=prefix, certify=certify, **projector_kwargs)
         ProjectSteps.__init__(self, **args)
+        self._args = _json_args(type(self).__name__, args)
+
+
+class QKClipCallback(_TrainerSide, ClipSteps):
+    """QK-Clip (:func:`gaugeopt.qk_clip`) after every ``every``-th optimizer step.
+
+    Arguments as :class:`gaugeopt.integrations.clip.ClipSteps` (``tau=100``, ``every=1``, ``alpha``,
+    ``transport_state``, ``unknown_state``, ``log_per_layer``, ``prefix="qk_clip/"``, ``certify``). The
+    maxima are read in the training forwards of each clipping step (all ``gradient_accumulation_steps``
+    micro-batches; not the evaluation loop), MAX-reduced across ranks; the clip runs right after the
+    step, before ``GaugeFixCallback``'s balance when both are given.
+
+    Example:
+        >>> from gaugeopt.integrations.transformers import QKClipCallback
+        >>> QKClipCallback(tau=50.0, every=2).state()["args"]["tau"]
+        50.0
+    """
+
+    def __init__(
+        self,
+        tau: float = 100.0,
+        every: int = 1,
+        *,
+        alpha: float = 0.5,
+        transport_state: bool = True,
+        unknown_state: str = "error",
+        log_per_layer: bool = False,
+        prefix: str = "qk_clip/",
+        certify: bool = True,
+    ) -> None:
+        args = dict(tau=tau, every=every, alpha=alpha, transport_state=transport_state, unknown_state=unknown_state,
+                    log_per_layer=log_per_layer, prefix=prefix, certify=certify)
+        ClipSteps.__init__(self, **args)
         self._args = _json_args(type(self).__name__, args)

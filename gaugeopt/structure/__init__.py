@@ -15,6 +15,8 @@
 * :mod:`.stream`, :mod:`.stream_sectors` — the residual stream of a decoder (writers, norms,
   readers) and the symmetries that act across it;
 * :mod:`.symmetries` — every known symmetry as a family of finite actions on one model;
+* :mod:`.scores`, :mod:`.logits` — what a call adds to ``q·k`` (scale, RoPE angles, masks), and each
+  head's maximum attention logit rebuilt from the records (:func:`gaugeopt.max_attention_logits`);
 * :mod:`.adapters` — the built-in adapters.
 """
 

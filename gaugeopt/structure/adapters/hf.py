@@ -56,6 +56,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 
 import torch.nn as nn
 
@@ -348,6 +350,9 @@ def kernel_check(site: AttentionSite) -> AttentionSite:
         for mapping in (glob, local):
             bindings.append(Binding(mapping, impl, mapping.get(impl, _MISSING) if impl is not None else _MISSING))
         if impl in (None, "eager"):
+            eager = fwd.__globals__.get("eager_attention_forward")
+            if not site.float32_steps and _softmax_in_float32(eager):
+                site.float32_steps = "the softmax in float32 (eager attention)"
             if impl is not None and (impl in glob or impl in local):
                 raise GaugeError(
                     f"{site.name}: a kernel is registered under the name 'eager', which replaces the module's own eager "
@@ -370,6 +375,20 @@ def kernel_check(site: AttentionSite) -> AttentionSite:
             )
     site.adapter_bindings = tuple(site.adapter_bindings) + tuple(bindings)
     return site
+
+
+@functools.lru_cache(maxsize=256)
+def _softmax_in_float32(fn) -> bool:
+    """Whether an eager attention function computes its softmax in float32 whatever the input dtype (most
+    Hugging Face families' ``eager_attention_forward``): the weights then sum to one only to float32
+    rounding, which a float64 proof of the sectors through the softmax sees at ~1e-8."""
+    if fn is None:
+        return False
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    return "softmax" in source and "dtype=torch.float32" in source
 
 
 def _checking_kernels(adapter):
