@@ -49,7 +49,7 @@ planes are mutually orthogonal and orthogonal to the free block: each plane is a
 equations ``K(M) = S``, preconditioned by one ADI step of the (reparametrised) Sylvester pair
 (:class:`~gaugeopt.projection.sylvester.ShiftedSylvester`: two Cholesky factorisations, no
 eigendecomposition), started from the best multiple of the previous call's coefficients
-(:func:`~gaugeopt.projection.sylvester.batched_pcg`):
+(:func:`~gaugeopt.projection.cg.batched_pcg`):
 CG minimises the ``K``-norm of the coefficient error, which *is* the norm of the vertical part
 left behind, over a space that contains the start, so the approximation never leaves more
 vertical part than there was. ``"paper000"``: paper 000 Algorithm 2 — two one-sided
@@ -92,7 +92,8 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.structure.pair import GaugePair, PairSide
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.projection import sylvester
-from gaugeopt.projection.sylvester import ShiftedSylvester, SylvesterInverse, batched_pcg
+from gaugeopt.projection.cg import batched_pcg
+from gaugeopt.projection.sylvester import ShiftedSylvester, SylvesterInverse
 
 __all__ = ["DenseSector", "STACK_SITES"]
 

@@ -83,7 +83,7 @@ they are left out of the joint solve — same span, better conditioned (``lrm_qk
 equations, preconditioned by one ADI step (two Cholesky factorisations, no eigendecomposition),
 warm-started from the best multiple of the previous call's coefficients. CG minimises the norm of the vertical part it leaves behind
 over a space containing its start, so ``"approx"`` never leaves more vertical part than the
-field had (:func:`~gaugeopt.projection.sylvester.batched_pcg`); ``last_info`` reports the
+field had (:func:`~gaugeopt.projection.cg.batched_pcg`); ``last_info`` reports the
 relative residual of the normal equations (``approx_residual``) and an estimate of the vertical
 fraction left (``approx_left_estimate``, 0-dim tensors: no host synchronisation until read). A
 joint projection in ``"approx"`` mode runs ``approx_iters`` iterations of the joint CG on exact
