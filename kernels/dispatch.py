@@ -40,7 +40,8 @@ import torch
 
 from gaugeopt.errors import GaugeError
 
-__all__ = ["BACKENDS", "ENV_VAR", "Decision", "choose", "explain", "last_decision", "requested_backend", "triton_version"]
+__all__ = ["BACKENDS", "ENV_VAR", "Decision", "choose", "explain", "last_decision", "remember", "requested_backend",
+           "triton_version"]
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "GAUGEOPT_BACKEND"
@@ -168,6 +169,12 @@ def choose(
             d = Decision(op, "torch", want, source, why)
     _LAST[op] = d
     return d
+
+
+def remember(decision: Decision) -> None:
+    """Record again a decision taken earlier and reused (a caller that caches its decisions), so that
+    :func:`last_decision` names the path that ran."""
+    _LAST[decision.op] = decision
 
 
 def last_decision(op: str) -> Decision | None:

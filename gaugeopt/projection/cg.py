@@ -7,7 +7,7 @@ semi-definite operator ``K``:
   (:mod:`~gaugeopt.projection.dense`), and the Schur complement of ``lrm_internal``
   (:mod:`~gaugeopt.projection.multipliers`) — many independent small systems at once, through
   :func:`batched_pcg`;
-* the joint projection of overlapping sector families (the projector's joint solve) — one
+* the joint projection of overlapping sector families (:mod:`~gaugeopt.projection.joint`) — one
   system whose vector is one buffer per family, on the parameters' devices.
 
 They differ in how a vector is stored and how its inner products are taken, not in the

@@ -20,7 +20,7 @@ from gaugeopt.structure.pair import GaugePair, Member
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
 
-__all__ = ["FUSED_SECTORS", "unsupported_reason", "vertical_triton", "fused_sites"]
+__all__ = ["FUSED_SECTORS", "unsupported_reason", "vertical_triton", "fused_sites", "fused_refs"]
 
 FUSED_SECTORS = ("lrm_qk", "lrm_vo", "qk")
 
@@ -50,6 +50,11 @@ def _refs(sites, sector):
         for members in _members(site, sector):
             for m in members:
                 yield m.ref
+
+
+def fused_refs(sites: Sequence[AttentionSite], sector: str) -> list:
+    """The tensors the fused kernel reads for ``sector`` (parameters; the field at the same names)."""
+    return list(_refs(fused_sites(sites, sector), sector))
 
 
 def unsupported_reason(sites: Sequence[AttentionSite], sector: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
