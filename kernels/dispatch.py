@@ -144,7 +144,7 @@ def choose(
         op: operation name (for the record and the messages).
         device: where the inputs live.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (``"auto"`` defers to ``GAUGEOPT_BACKEND``).
-        module: the kernel module (``"gaugefix_triton"``) whose kernels would run.
+        module: the kernel module under ``gaugeopt.kernels`` (``"gaugefix.fused"``) whose kernels would run.
         unsupported: called only when Triton could run: the op's reason to refuse these inputs, or ``None``.
 
     Raises:

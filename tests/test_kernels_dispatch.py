@@ -65,13 +65,13 @@ def test_forcing_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
 
 def test_interpreter_set_after_import_is_an_error(monkeypatch):
     pytest.importorskip("triton")
-    import gaugeopt.kernels.gaugefix_triton  # noqa: F401  (decorated for the GPU: the variable is unset)
+    import gaugeopt.kernels.gaugefix.fused  # noqa: F401  (decorated for the GPU: the variable is unset)
 
-    if dispatch.kernels_interpreted("gaugefix_triton"):
+    if dispatch.kernels_interpreted("gaugefix.fused"):
         pytest.skip("this process imported the kernels under the interpreter")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(gaugeopt.GaugeError, match="imported before TRITON_INTERPRET=1"):
-        dispatch.choose("gauge_fix", CPU, backend="triton", module="gaugefix_triton")
+        dispatch.choose("gauge_fix", CPU, backend="triton", module="gaugefix.fused")
 
 
 def test_missing_triton_is_an_error_when_forced_and_a_reason_otherwise(monkeypatch):
@@ -119,7 +119,9 @@ def test_a_reused_fixer_plans_once_and_matches_one_shot_fixes():
 
 
 def test_importing_gaugeopt_and_kernels_does_not_import_triton():
-    code = ("import sys, gaugeopt, gaugeopt.kernels; from gaugeopt.kernels import dispatch; "
-            "import gaugeopt.fix.triton_backend, gaugeopt.projection.triton_backend; print('triton' in sys.modules)")
+    code = ("import sys, gaugeopt, gaugeopt.kernels; from gaugeopt.kernels import dispatch, gaugefix, projection; "
+            "import gaugeopt.kernels.gaugefix.naive, gaugeopt.kernels.projection.naive; "
+            "import gaugeopt.fix.triton_backend, gaugeopt.projection.triton_backend, gaugeopt.projection.routing; "
+            "print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

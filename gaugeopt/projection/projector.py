@@ -460,7 +460,7 @@ class GaugeProjector:
         """One sector through the fused kernel (the route has checked that it can take these tensors)."""
         from gaugeopt.projection.triton_backend import vertical_triton
 
-        return vertical_triton(self.sites, sector, given, rtol=self.rtol, **kw)
+        return vertical_triton(self.sites, sector, given, rtol=self.rtol, checked=True, **kw)
 
     # ------------------------------------------------------------------ public API
     def vertical(self, tensors: Tensors, *, sectors: Sequence[str] | None = None, at=None) -> dict[str, torch.Tensor]:

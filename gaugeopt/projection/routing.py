@@ -78,7 +78,7 @@ class KernelRoute:
                tuple((_signature(self.params[n]), _signature(given.get(n))) for n in names))
         decisions = self._decided.get(key)
         if decisions is None:
-            decisions = {s: dispatch.choose(f"project_{s}", self.device, backend=self.backend, module="projection_triton",
+            decisions = {s: dispatch.choose(f"project_{s}", self.device, backend=self.backend, module="projection.fused",
                                             unsupported=lambda s=s: unsupported_reason(self.sites, s, given))
                          for s in candidates}
             self._decided[key] = decisions

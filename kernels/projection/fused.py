@@ -26,19 +26,42 @@ rows ``[W̄ | b̄]`` of the group's query heads (side A) and key head (side B), 
 
 Both kernels read the parameters, the vector field ``u`` and write the vertical part (or
 ``u − v`` in place, ``subtract=True``) through descriptor tables; reductions run in float32
-(float64 when any input is float64). This module knows tables, not models: the host side that
-builds them from attention sites is :mod:`gaugeopt.projection.triton_backend`.
+(float64 when any input is float64).
+
+This module is the kernels, their launchers and the public functions :func:`project_diagonal`
+and :func:`project_planes`, which check the tensor descriptions (:mod:`.spec`), pack the tables
+and launch. The plain-torch references of both are :mod:`.naive`; the host side that describes
+a model's attention sites as :class:`~.spec.DiagonalSite` / :class:`~.spec.PlaneSite` is
+:mod:`gaugeopt.projection.triton_backend`.
+
+Example (on CUDA tensors; on CPU only with ``TRITON_INTERPRET=1`` set before this module is
+imported, which is how ``tests/kernels_interpreter_cases.py`` runs it):
+    >>> import torch
+    >>> from gaugeopt.kernels.projection import DiagonalSite, project_diagonal
+    >>> r_q, r_k = torch.ones(1, 2), torch.ones(1, 2)                  # one head, two channels
+    >>> u_q, u_k = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 3.0]])
+    >>> v_q, v_k = torch.zeros(1, 2), torch.zeros(1, 2)
+    >>> project_diagonal([DiagonalSite(r_q, r_k, u_q, u_k, v_q, v_k, groups=1, repeat_a=1, repeat_b=1,
+    ...                                slot=[0, 1], n_slots=2)], rtol=1e-6)
+    >>> v_q.tolist(), v_k.tolist()        # t = (1·1 − 0) / 2 on channel 0, (0 − 1·3) / 2 on channel 1
+    ([[0.5, -1.5]], [[-0.5, 1.5]])
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["SUPPORTED_DTYPES", "launch_diagonal", "launch_planes"]
+from gaugeopt.errors import GaugeError
+from gaugeopt.kernels.projection.spec import (
+    DiagonalSite, PlaneSite, accumulation_dtype, check_diagonal, check_planes,
+)
 
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+__all__ = ["project_diagonal", "project_planes"]
+
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _TILE_ELEMS = 4096  # elements of one (plane, column) tile of the RoPE kernel
 _BLOCK_P = 16  # planes per program of the RoPE kernel
@@ -289,8 +312,8 @@ def _plane_kernel(
 
 
 # ---------------------------------------------------------------------- launchers
-def launch_diagonal(site_rows, desc_rows, slots, rtol: torch.Tensor, *, param_dtype, field_dtype,
-                    subtract: bool, block_k: int, block_c: int) -> None:
+def _launch_diagonal(site_rows, desc_rows, slots, rtol: torch.Tensor, *, param_dtype, field_dtype,
+                     subtract: bool, block_k: int, block_c: int) -> None:
     """One program per layer of the diagonal sectors.
 
     Args:
@@ -310,13 +333,13 @@ def launch_diagonal(site_rows, desc_rows, slots, rtol: torch.Tensor, *, param_dt
     )
 
 
-def plane_units(groups: int, n_planes: int, site_index: int) -> list[list[int]]:
+def _plane_units(groups: int, n_planes: int, site_index: int) -> list[list[int]]:
     """Programs of one layer: ``[site, group, first plane]`` per block of :data:`_BLOCK_P` planes."""
     return [[site_index, j, m0] for j in range(groups) for m0 in range(0, n_planes, _BLOCK_P)]
 
 
-def launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rtol: torch.Tensor, *, param_dtype,
-                  field_dtype, subtract: bool, has_twist: bool, max_cols: int) -> torch.Tensor:
+def _launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rtol: torch.Tensor, *, param_dtype,
+                   field_dtype, subtract: bool, has_twist: bool, max_cols: int) -> torch.Tensor:
     """One program per (layer, group, block of planes) of the RoPE-plane ``qk`` sector.
 
     Returns:
@@ -332,3 +355,81 @@ def launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rtol: tor
         BLOCK_P=_BLOCK_P, BLOCK_X=min(triton.next_power_of_2(max_cols), max(1, _TILE_ELEMS // _BLOCK_P)),
     )
     return flags
+
+
+def _geometry(view: torch.Tensor) -> tuple[int, int, int, int]:
+    """(stride_head, stride_chan, stride_col, n_cols) of a ``(heads, width[, cols])`` view."""
+    if view.dim() == 2:
+        return view.stride(0), view.stride(1), 0, 1
+    return view.stride(0), view.stride(1), view.stride(2), view.shape[2]
+
+
+# ---------------------------------------------------------------------- public functions
+def project_diagonal(sites: Sequence[DiagonalSite], *, rtol: float, subtract: bool = False) -> None:
+    """Write the vertical part of each site's field (or ``u − v`` with ``subtract``) into its outputs,
+    every layer in one launch (formula: :class:`~.spec.DiagonalSite`).
+
+    Args:
+        sites: the layers (checked by :func:`~.spec.check_diagonal`).
+        rtol: pseudo-inverse threshold: ``t = 0`` where the denominator is ``≤ rtol ×`` the layer's largest.
+        subtract: write ``u − v`` instead of ``v``.
+    """
+    sites = list(sites)
+    check_diagonal(sites)
+    acc = accumulation_dtype([t for s in sites for t in (s.a, s.b, s.u_a, s.u_b)])
+    site_rows, desc_rows, slots = [], [], []
+    block_k, block_c = 1, 1
+    for s in sites:
+        site_rows.append([len(desc_rows), s.groups, s.repeat_a, s.repeat_b, s.width, s.n_slots, len(slots), 0])
+        slots += list(s.slot)
+        for p, u, o in ((s.a, s.u_a, s.out_a), (s.b, s.u_b, s.out_b)):
+            for t in (p, u, o):
+                desc_rows.append([t.data_ptr(), p.stride(0), p.stride(1), 0])
+        block_k = max(block_k, s.repeat_a, s.repeat_b)
+        block_c = max(block_c, s.width)
+    rt = torch.tensor([rtol], dtype=acc, device=sites[0].a.device)
+    _launch_diagonal(site_rows, desc_rows, slots, rt, param_dtype=sites[0].a.dtype, field_dtype=sites[0].u_a.dtype,
+                     subtract=subtract, block_k=block_k, block_c=block_c)
+
+
+def project_planes(sites: Sequence[PlaneSite], *, rtol: float, subtract: bool = False) -> None:
+    """Write the vertical part of each site's field in its RoPE-plane sector (or ``u − v`` with
+    ``subtract``) into the members' outputs, on the rows of every plane, in one launch.
+
+    Args:
+        sites: the layers (checked by :func:`~.spec.check_planes`).
+        rtol: pseudo-inverse threshold of the 2×2 solves (eigenvalues ``≤ rtol·λ_max`` dropped).
+        subtract: write ``u − v`` instead of ``v``.
+
+    Raises:
+        GaugeError: a twist (row multiplier) has an exact zero — after the launch (the outputs are
+            written; the torch path refuses the same field before writing).
+    """
+    sites = list(sites)
+    check_planes(sites)
+    members = [m for s in sites for m in s.a + s.b]
+    acc = accumulation_dtype([t for m in members for t in (m.param, m.u)])
+    unit_rows, site_rows, desc_rows, twist_rows, planes = [], [], [], [], []
+    max_cols, has_twist = 1, False
+    for si, s in enumerate(sites):
+        site_rows.append([len(desc_rows), len(s.a), len(s.b), s.repeat_a, s.repeat_b, len(s.planes), len(planes), 0])
+        planes += [list(pq) for pq in s.planes]
+        for m in s.a + s.b:
+            sh, sc, sx, ncols = _geometry(m.param)
+            desc_rows.append([m.param.data_ptr(), m.u.data_ptr(), m.out.data_ptr(), sh, sc, sx, ncols, 0])
+            max_cols = max(max_cols, ncols)
+        for tw in (s.twist_a, s.twist_b):
+            if tw is None:
+                twist_rows.append([0, 0, 0])
+            else:
+                twist_rows.append([tw.data_ptr(), tw.stride(0), tw.stride(1)])
+                has_twist = True
+        unit_rows += _plane_units(s.groups, len(s.planes), si)
+    rt = torch.tensor([rtol], dtype=acc, device=members[0].param.device)
+    flags = _launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rt, param_dtype=members[0].param.dtype,
+                           field_dtype=members[0].u.dtype, subtract=subtract, has_twist=has_twist, max_cols=max_cols)
+    if has_twist and bool(flags.any()):  # the one host sync, only with multipliers (as the torch path checks)
+        raise GaugeError(
+            "a Q/K row multiplier has an exact zero; the gauge generators in W̄ coordinates divide by it. "
+            "Re-initialise that multiplier."
+        )
