@@ -110,6 +110,30 @@ def _tile(c, xr, sc, sx, LAYOUT: tl.constexpr):
 
 
 @triton.jit
+def _rescale(desc_tab, d, j, n_a, n_b, f_a, f_b, c, cmask, xr, T: tl.constexpr, ACC_T: tl.constexpr,
+             IEEE32: tl.constexpr, LAYOUT: tl.constexpr, STATE: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Pass 2 on one tensor of group ``j``: a parameter times its side's factor, or (``STATE``) an
+    optimizer-state tensor divided by the factor to its power."""
+    addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
+    f = tl.where(side == 0, f_a, f_b)
+    if STATE:
+        f = tl.where(cmask, tl.where(power == 2, f * f, f), 1.0)  # 1 on padding: no 0/0
+    f = f[:, None]
+    base = addr.to(tl.pointer_type(T)) + j * n * sh
+    offs = _tile(c, xr, sc, sx, LAYOUT)
+    for hh in range(0, n):
+        for x0 in range(0, ncols, BLOCK_X):
+            m = cmask[:, None] & ((x0 + xr) < ncols)[None, :]
+            ptr = base + (hh * sh + x0 * sx) + offs
+            v = tl.load(ptr, mask=m, other=0.0).to(ACC_T)
+            if STATE:
+                v = _div(v, f, IEEE32)
+            else:
+                v = v * f
+            tl.store(ptr, v.to(T), mask=m)
+
+
+@triton.jit
 def _gaugefix_kernel(
     unit_tab,  # (n_units, 2) int64: plan, KV group
     plan_tab,  # (n_plans, _PF) int64
@@ -213,32 +237,11 @@ def _gaugefix_kernel(
     fsa = tl.sum(tl.where(onehot, inv_g[None, :], 0.0), axis=1)
     fsb = tl.sum(tl.where(onehot, g[None, :], 0.0), axis=1)
 
-    # ---- pass 2: parameters
+    # ---- pass 2: parameters by gauge·magnitude, then the optimizer state, M ← M / f^k
     for d in range(d0, d1):
-        addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
-        f = tl.where(side == 0, fpa, fpb)[:, None]
-        base = addr.to(tl.pointer_type(PARAM_T)) + j * n * sh
-        offs = _tile(c, xr, sc, sx, LAYOUT)
-        for hh in range(0, n):
-            for x0 in range(0, ncols, BLOCK_X):
-                m = cmask[:, None] & ((x0 + xr) < ncols)[None, :]
-                ptr = base + (hh * sh + x0 * sx) + offs
-                v = tl.load(ptr, mask=m, other=0.0).to(ACC_T)
-                tl.store(ptr, (v * f).to(PARAM_T), mask=m)
-
-    # ---- pass 2: optimizer state, M ← M / f^k
+        _rescale(desc_tab, d, j, n_a, n_b, fpa, fpb, c, cmask, xr, PARAM_T, ACC_T, IEEE32, LAYOUT, False, BLOCK_X)
     for d in range(d1, d2):
-        addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
-        f = tl.where(side == 0, fsa, fsb)
-        f = tl.where(cmask, tl.where(power == 2, f * f, f), 1.0)[:, None]  # 1 on padding: no 0/0
-        base = addr.to(tl.pointer_type(STATE_T)) + j * n * sh
-        offs = _tile(c, xr, sc, sx, LAYOUT)
-        for hh in range(0, n):
-            for x0 in range(0, ncols, BLOCK_X):
-                m = cmask[:, None] & ((x0 + xr) < ncols)[None, :]
-                ptr = base + (hh * sh + x0 * sx) + offs
-                v = tl.load(ptr, mask=m, other=0.0).to(ACC_T)
-                tl.store(ptr, _div(v, f, IEEE32).to(STATE_T), mask=m)
+        _rescale(desc_tab, d, j, n_a, n_b, fsa, fsb, c, cmask, xr, STATE_T, ACC_T, IEEE32, LAYOUT, True, BLOCK_X)
 
 
 # ---------------------------------------------------------------------- host: layouts

@@ -142,6 +142,54 @@ def _diag_kernel(
 
 # ---------------------------------------------------------------------- device code: RoPE planes
 @triton.jit
+def _plane_side(side, d0, n_da, n_db, k_a, k_b):
+    """One side of a site: heads per group, its first and past-the-end descriptor rows, the sign of ``I`` on it."""
+    n_members = tl.where(side == 0, k_a, k_b)
+    dlo = tl.where(side == 0, d0, d0 + n_da)
+    dhi = tl.where(side == 0, d0 + n_da, d0 + n_da + n_db)
+    return n_members, dlo, dhi, tl.where(side == 0, 1.0, -1.0)
+
+
+@triton.jit
+def _plane_member(desc_tab, d, head, P_T: tl.constexpr, U_T: tl.constexpr):
+    """One member tensor: parameter and field pointers, the head's offset, channel and column strides, columns."""
+    drow = desc_tab + d * 8
+    return (tl.load(drow + 0).to(tl.pointer_type(P_T)), tl.load(drow + 1).to(tl.pointer_type(U_T)),
+            head * tl.load(drow + 3), tl.load(drow + 4), tl.load(drow + 5), tl.load(drow + 6))
+
+
+@triton.jit
+def _plane_tile(pptr, hoff, rp, rq, sc, sx, x0, xr, pmask, ncols, ACC_T: tl.constexpr):
+    """The rows ``P`` and ``Q`` of every plane of the block over one tile of columns: mask, offsets, values."""
+    xm = pmask[:, None] & ((x0 + xr) < ncols)[None, :]
+    xo = (x0 + xr)[None, :] * sx
+    op = hoff + rp[:, None] * sc + xo
+    oq = hoff + rq[:, None] * sc + xo
+    ap = tl.load(pptr + op, mask=xm, other=0.0).to(ACC_T)
+    aq = tl.load(pptr + oq, mask=xm, other=0.0).to(ACC_T)
+    return xm, op, oq, ap, aq
+
+
+@triton.jit
+def _plane_twist(twist_tab, s, side, head, rp, rq, pmask, P_T: tl.constexpr, ACC_T: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """``α = λ_Q/λ_P`` of one head per plane (1 where the side has no multiplier) and a flag where ``λ`` is 0."""
+    al = tl.full([BLOCK_P], 1.0, ACC_T)
+    zero = tl.zeros([BLOCK_P], dtype=tl.int32)
+    trow = twist_tab + s * 6 + side * 3
+    taddr = tl.load(trow)
+    if taddr != 0:
+        tptr = taddr.to(tl.pointer_type(P_T))
+        tsh = tl.load(trow + 1)
+        tsc = tl.load(trow + 2)
+        lp = tl.load(tptr + head * tsh + rp * tsc, mask=pmask, other=1.0).to(ACC_T)
+        lq = tl.load(tptr + head * tsh + rq * tsc, mask=pmask, other=1.0).to(ACC_T)
+        zero = ((lp == 0.0) | (lq == 0.0)).to(tl.int32)
+        al = lq / tl.where(lp == 0.0, 1.0, lp)
+    return al, zero
+
+
+@triton.jit
 def _plane_kernel(
     unit_tab,  # (n_units, 3) int64: site, KV group, first plane
     site_tab,  # (n_sites, 8) int64: desc row start, A members, B members, k_a, k_b, n_planes, plane offset, -
@@ -182,10 +230,7 @@ def _plane_kernel(
     bad = tl.zeros([BLOCK_P], dtype=tl.int32)
     # ---- pass 1: Gram and cross terms over both sides, every member head, every column
     for side in range(0, 2):
-        n_members = tl.where(side == 0, k_a, k_b)
-        dlo = tl.where(side == 0, d0, d0 + n_da)
-        dhi = tl.where(side == 0, d0 + n_da, d0 + n_da + n_db)
-        sgn = tl.where(side == 0, 1.0, -1.0)
+        n_members, dlo, dhi, sgn = _plane_side(side, d0, n_da, n_db, k_a, k_b)
         for kk in range(0, n_members):
             head = j * n_members + kk
             app = tl.zeros([BLOCK_P], dtype=ACC_T)
@@ -195,21 +240,9 @@ def _plane_kernel(
             ipq = tl.zeros([BLOCK_P], dtype=ACC_T)  # <dA_P, A_Q>
             iqp = tl.zeros([BLOCK_P], dtype=ACC_T)  # <dA_Q, A_P>
             for d in range(dlo, dhi):
-                drow = desc_tab + d * 8
-                pptr = tl.load(drow + 0).to(tl.pointer_type(P_T))
-                uptr = tl.load(drow + 1).to(tl.pointer_type(U_T))
-                sh = tl.load(drow + 3)
-                sc = tl.load(drow + 4)
-                sx = tl.load(drow + 5)
-                ncols = tl.load(drow + 6)
-                hoff = head * sh
+                pptr, uptr, hoff, sc, sx, ncols = _plane_member(desc_tab, d, head, P_T, U_T)
                 for x0 in range(0, ncols, BLOCK_X):
-                    xm = pmask[:, None] & ((x0 + xr) < ncols)[None, :]
-                    xo = (x0 + xr)[None, :] * sx
-                    op = hoff + rp[:, None] * sc + xo
-                    oq = hoff + rq[:, None] * sc + xo
-                    ap = tl.load(pptr + op, mask=xm, other=0.0).to(ACC_T)
-                    aq = tl.load(pptr + oq, mask=xm, other=0.0).to(ACC_T)
+                    xm, op, oq, ap, aq = _plane_tile(pptr, hoff, rp, rq, sc, sx, x0, xr, pmask, ncols, ACC_T)
                     dp = tl.load(uptr + op, mask=xm, other=0.0).to(ACC_T)
                     dq = tl.load(uptr + oq, mask=xm, other=0.0).to(ACC_T)
                     app += tl.sum(ap * ap, axis=1)
@@ -220,16 +253,8 @@ def _plane_kernel(
                     iqp += tl.sum(dq * ap, axis=1)
             al = tl.full([BLOCK_P], 1.0, ACC_T)
             if HAS_TWIST:
-                trow = twist_tab + s * 6 + side * 3
-                taddr = tl.load(trow)
-                if taddr != 0:
-                    tptr = taddr.to(tl.pointer_type(P_T))
-                    tsh = tl.load(trow + 1)
-                    tsc = tl.load(trow + 2)
-                    lp = tl.load(tptr + head * tsh + rp * tsc, mask=pmask, other=1.0).to(ACC_T)
-                    lq = tl.load(tptr + head * tsh + rq * tsc, mask=pmask, other=1.0).to(ACC_T)
-                    bad = bad | ((lp == 0.0) | (lq == 0.0)).to(tl.int32)
-                    al = lq / tl.where(lp == 0.0, 1.0, lp)
+                al, zero = _plane_twist(twist_tab, s, side, head, rp, rq, pmask, P_T, ACC_T, BLOCK_P)
+                bad = bad | zero
             inv_al = 1.0 / tl.where(al == 0.0, 1.0, al)
             g_ii += app + aqq
             g_jj += al * al * aqq + inv_al * inv_al * app
@@ -265,43 +290,22 @@ def _plane_kernel(
 
     # ---- pass 2: write v (or u − v) on the rows P and Q
     for side in range(0, 2):
-        n_members = tl.where(side == 0, k_a, k_b)
-        dlo = tl.where(side == 0, d0, d0 + n_da)
-        dhi = tl.where(side == 0, d0 + n_da, d0 + n_da + n_db)
-        sgn = tl.where(side == 0, 1.0, -1.0)
+        n_members, dlo, dhi, sgn = _plane_side(side, d0, n_da, n_db, k_a, k_b)
         for kk in range(0, n_members):
             head = j * n_members + kk
             al = tl.full([BLOCK_P], 1.0, ACC_T)
             if HAS_TWIST:
-                trow = twist_tab + s * 6 + side * 3
-                taddr = tl.load(trow)
-                if taddr != 0:
-                    tptr = taddr.to(tl.pointer_type(P_T))
-                    lp = tl.load(tptr + head * tl.load(trow + 1) + rp * tl.load(trow + 2), mask=pmask, other=1.0).to(ACC_T)
-                    lq = tl.load(tptr + head * tl.load(trow + 1) + rq * tl.load(trow + 2), mask=pmask, other=1.0).to(ACC_T)
-                    al = lq / tl.where(lp == 0.0, 1.0, lp)
+                al, zero = _plane_twist(twist_tab, s, side, head, rp, rq, pmask, P_T, ACC_T, BLOCK_P)
             inv_al = 1.0 / tl.where(al == 0.0, 1.0, al)
             # A: v_P = a A_P + bα A_Q, v_Q = a A_Q − bα⁻¹ A_P;   B: v_P = −a B_P + bβ B_Q, v_Q = −a B_Q − bβ⁻¹ B_P
             fa = (sgn * ca)[:, None]
             fpq = (cb * al)[:, None]
             fqp = (cb * inv_al)[:, None]
             for d in range(dlo, dhi):
-                drow = desc_tab + d * 8
-                pptr = tl.load(drow + 0).to(tl.pointer_type(P_T))
-                uptr = tl.load(drow + 1).to(tl.pointer_type(U_T))
-                optr = tl.load(drow + 2).to(tl.pointer_type(U_T))
-                sh = tl.load(drow + 3)
-                sc = tl.load(drow + 4)
-                sx = tl.load(drow + 5)
-                ncols = tl.load(drow + 6)
-                hoff = head * sh
+                pptr, uptr, hoff, sc, sx, ncols = _plane_member(desc_tab, d, head, P_T, U_T)
+                optr = tl.load(desc_tab + d * 8 + 2).to(tl.pointer_type(U_T))
                 for x0 in range(0, ncols, BLOCK_X):
-                    xm = pmask[:, None] & ((x0 + xr) < ncols)[None, :]
-                    xo = (x0 + xr)[None, :] * sx
-                    op = hoff + rp[:, None] * sc + xo
-                    oq = hoff + rq[:, None] * sc + xo
-                    ap = tl.load(pptr + op, mask=xm, other=0.0).to(ACC_T)
-                    aq = tl.load(pptr + oq, mask=xm, other=0.0).to(ACC_T)
+                    xm, op, oq, ap, aq = _plane_tile(pptr, hoff, rp, rq, sc, sx, x0, xr, pmask, ncols, ACC_T)
                     vp = fa * ap + fpq * aq
                     vq = fa * aq - fqp * ap
                     if SUBTRACT:

@@ -119,7 +119,15 @@ def _check_triple(where: str, p: torch.Tensor, u: torch.Tensor, o: torch.Tensor,
     dtypes.append((p.dtype, u.dtype, o.dtype))
 
 
-def _check_dtypes(op: str, dtypes: list, devices: set) -> None:
+def _check_sites(op: str, sites: Sequence, check_site) -> None:
+    """Run ``check_site(where, site, dtypes, devices)`` on each site, then the checks across them: one
+    parameter dtype and one field dtype (the output's) per launch, one device."""
+    if not sites:
+        raise GaugeError(f"{op}: sites is empty")
+    dtypes: list = []
+    devices: set = set()
+    for i, s in enumerate(sites):
+        check_site(f"{op}: sites[{i}]", s, dtypes, devices)
     if len({d[0] for d in dtypes}) > 1 or len({d[1:] for d in dtypes}) > 1 or any(d[1] != d[2] for d in dtypes):
         raise GaugeError(f"{op}: one launch takes one parameter dtype and one field dtype (the output's); got "
                          f"{sorted({tuple(map(str, d)) for d in dtypes})}")
@@ -127,24 +135,39 @@ def _check_dtypes(op: str, dtypes: list, devices: set) -> None:
         raise GaugeError(f"{op}: tensors on several devices {sorted(map(str, devices))}")
 
 
+def _diagonal_site(where: str, s: DiagonalSite, dtypes: list, devices: set) -> None:
+    for side, p, rep in (("a", s.a, s.repeat_a), ("b", s.b, s.repeat_b)):
+        if p.dim() != 2 or p.shape[0] != s.groups * rep or p.shape[1] != s.width:
+            raise GaugeError(f"{where}: side {side} has shape {tuple(p.shape)}; expected ({s.groups}·{rep}, {s.width})")
+    if len(s.slot) != s.width or not all(0 <= m < s.n_slots for m in s.slot):
+        raise GaugeError(f"{where}: slot={list(s.slot)} must give each of the {s.width} channels a slot < {s.n_slots}")
+    _check_triple(f"{where} side a", s.a, s.u_a, s.out_a, dtypes, devices)
+    _check_triple(f"{where} side b", s.b, s.u_b, s.out_b, dtypes, devices)
+
+
+def _plane_site(where: str, s: PlaneSite, dtypes: list, devices: set) -> None:
+    if not s.a or not s.b:
+        raise GaugeError(f"{where}: each side needs at least one member")
+    if sorted(c for pq in s.planes for c in pq) != list(range(s.width)):
+        raise GaugeError(f"{where}: planes={list(s.planes)} must cover each of the {s.width} channels once")
+    for side, members, rep, tw in (("a", s.a, s.repeat_a, s.twist_a), ("b", s.b, s.repeat_b, s.twist_b)):
+        heads = s.groups * rep
+        for k, m in enumerate(members):
+            p = m.param
+            if p.dim() not in (2, 3) or p.shape[0] != heads or p.shape[1] != s.width:
+                raise GaugeError(f"{where}: member {k} of side {side} has shape {tuple(p.shape)}; expected "
+                                 f"({heads}, {s.width}[, columns])")
+            _check_triple(f"{where} side {side} member {k}", p, m.u, m.out, dtypes, devices)
+        if tw is not None and (tuple(tw.shape) != (heads, s.width) or tw.dtype != members[0].param.dtype):
+            raise GaugeError(f"{where}: twist_{side} has shape {tuple(tw.shape)} and dtype {tw.dtype}; expected "
+                             f"({heads}, {s.width}) in the parameters' dtype")
+
+
 def check_diagonal(sites: Sequence[DiagonalSite]) -> None:
     """Raise :class:`~gaugeopt.GaugeError` naming the site unless the kernel and the reference can take
     ``sites``: shapes ``(groups·repeat, width)``, a slot per channel, the parameter's strides for the
     field and the output, one parameter dtype and one field dtype, one device."""
-    if not sites:
-        raise GaugeError("project_diagonal: sites is empty")
-    dtypes: list = []
-    devices: set = set()
-    for i, s in enumerate(sites):
-        where = f"project_diagonal: sites[{i}]"
-        for side, p, rep in (("a", s.a, s.repeat_a), ("b", s.b, s.repeat_b)):
-            if p.dim() != 2 or p.shape[0] != s.groups * rep or p.shape[1] != s.width:
-                raise GaugeError(f"{where}: side {side} has shape {tuple(p.shape)}; expected ({s.groups}·{rep}, {s.width})")
-        if len(s.slot) != s.width or not all(0 <= m < s.n_slots for m in s.slot):
-            raise GaugeError(f"{where}: slot={list(s.slot)} must give each of the {s.width} channels a slot < {s.n_slots}")
-        _check_triple(f"{where} side a", s.a, s.u_a, s.out_a, dtypes, devices)
-        _check_triple(f"{where} side b", s.b, s.u_b, s.out_b, dtypes, devices)
-    _check_dtypes("project_diagonal", dtypes, devices)
+    _check_sites("project_diagonal", sites, _diagonal_site)
 
 
 def check_planes(sites: Sequence[PlaneSite]) -> None:
@@ -152,26 +175,4 @@ def check_planes(sites: Sequence[PlaneSite]) -> None:
     ``sites``: members ``(groups·repeat, width[, n_cols])``, planes that cover every channel once,
     twists ``(heads, width)`` in the parameters' dtype, the parameter's strides for the field and the
     output, one parameter dtype and one field dtype, one device."""
-    if not sites:
-        raise GaugeError("project_planes: sites is empty")
-    dtypes: list = []
-    devices: set = set()
-    for i, s in enumerate(sites):
-        where = f"project_planes: sites[{i}]"
-        if not s.a or not s.b:
-            raise GaugeError(f"{where}: each side needs at least one member")
-        rows = sorted(c for pq in s.planes for c in pq)
-        if rows != list(range(s.width)):
-            raise GaugeError(f"{where}: planes={list(s.planes)} must cover each of the {s.width} channels once")
-        for side, members, rep, tw in (("a", s.a, s.repeat_a, s.twist_a), ("b", s.b, s.repeat_b, s.twist_b)):
-            heads = s.groups * rep
-            for k, m in enumerate(members):
-                p = m.param
-                if p.dim() not in (2, 3) or p.shape[0] != heads or p.shape[1] != s.width:
-                    raise GaugeError(f"{where}: member {k} of side {side} has shape {tuple(p.shape)}; expected "
-                                     f"({heads}, {s.width}[, columns])")
-                _check_triple(f"{where} side {side} member {k}", p, m.u, m.out, dtypes, devices)
-            if tw is not None and (tuple(tw.shape) != (heads, s.width) or tw.dtype != members[0].param.dtype):
-                raise GaugeError(f"{where}: twist_{side} has shape {tuple(tw.shape)} and dtype {tw.dtype}; expected "
-                                 f"({heads}, {s.width}) in the parameters' dtype")
-    _check_dtypes("project_planes", dtypes, devices)
+    _check_sites("project_planes", sites, _plane_site)
