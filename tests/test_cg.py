@@ -59,7 +59,7 @@ def test_the_same_loop_runs_on_the_joint_projections_vectors():
                          scale=torch.linalg.vector_norm(S)[None], maxiter=5)
     X, R = blocks(torch.zeros(16, **F64)), blocks(S)
     space = _Blocks(_Dicts({n: torch.zeros(shape, **F64) for n, shape in shapes.items()}))
-    it_b, res_b, _ = pcg(space, lambda xs: blocks(K @ flat(xs)), X, R, tol=1e-12, scale=torch.linalg.vector_norm(S),
+    it_b, res_b, _ = pcg(space, lambda xs: blocks(K @ flat(xs)), X, R, tol=1e-12, scale=float(torch.linalg.vector_norm(S)),
                          maxiter=5)
     assert it_a == it_b == 5
     torch.testing.assert_close(flat(X), flat_X[0], rtol=1e-12, atol=1e-14)

@@ -12,13 +12,14 @@ semi-definite operator ``K``:
 
 They differ in how a vector is stored and how its inner products are taken, not in the
 algorithm, so :func:`pcg` is written once against a small :class:`Space` (inner products per
-system, ``y += a·x``, ``y ← x + b·y``) and each solve brings its own. The iteration, with
-``Z = C⁻¹R`` (``Z = R`` without a preconditioner)::
+system, ``y += a·x``, ``y ← x + b·y``, and the arithmetic of its scalars) and each solve brings
+its own. The iteration, with ``Z = C⁻¹R`` (``Z = R`` without a preconditioner)::
 
     α = ⟨R, Z⟩ / ⟨D, K D⟩,   X += α D,   R −= α K D,   β = ⟨R, Z⟩_new / ⟨R, Z⟩,   D ← Z + β D
 
-per system, the scalars as tensors ``(B,)`` (no host synchronisation unless a tolerance is
-asked for). **Stopping rule**: with ``tol``, a system stops when its recursive residual
+per system: the batched solves keep their scalars as tensors ``(B,)`` (:class:`TensorScalars`: no
+host synchronisation unless a tolerance is asked for), the joint projection as Python floats
+(:class:`HostScalars`: it reads every inner product on the host). **Stopping rule**: with ``tol``, a system stops when its recursive residual
 ``‖R‖ ≤ tol·scale`` (``scale`` = ``‖S‖`` unless the caller measures against something else),
 checked before each iteration; without ``tol`` exactly ``maxiter`` iterations run. **Breakdown**
 (``⟨D, K D⟩ ≤ 0`` for a system that has not converged): that system takes no step (``α = 0``),
@@ -39,28 +40,83 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Protocol, TypeVar
 
 import torch
 
-__all__ = ["Space", "BatchedSpace", "pcg", "batched_pcg"]
+__all__ = ["Space", "TensorScalars", "HostScalars", "BatchedSpace", "pcg", "batched_pcg"]
 
 V = TypeVar("V")
 
 
-class Space(Protocol[V]):
-    """The vector operations :func:`pcg` needs; scalars are tensors with one entry per system."""
+class TensorScalars:
+    """Per-system scalars as tensors ``(B,)`` (no host synchronisation unless a tolerance is asked for)."""
 
-    def dot(self, x: V, y: V) -> torch.Tensor:
+    @staticmethod
+    def div(a: torch.Tensor, b: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """``a / b`` where ``ok``, 0 elsewhere (nothing is divided by a zero)."""
+        return torch.where(ok, a / torch.where(ok, b, torch.ones_like(b)), torch.zeros_like(a))
+
+    @staticmethod
+    def relative(norm: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``norm / scale`` (0 where ``scale`` is 0)."""
+        return TensorScalars.div(norm, scale.clamp_min(torch.finfo(scale.dtype).tiny), scale > 0)
+
+    sqrt = staticmethod(torch.sqrt)
+
+    @staticmethod
+    def any(mask: torch.Tensor) -> bool:
+        return bool(mask.any())
+
+    @staticmethod
+    def not_(mask: torch.Tensor) -> torch.Tensor:
+        return ~mask
+
+    @staticmethod
+    def false_like(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x, dtype=torch.bool)
+
+
+class HostScalars:
+    """One system's scalars as Python floats: for a space whose inner products are read on the host anyway."""
+
+    @staticmethod
+    def div(a: float, b: float, ok: bool) -> float:
+        return a / b if ok else 0.0
+
+    @staticmethod
+    def relative(norm: float, scale: float) -> float:
+        return norm / scale if scale > 0 else 0.0
+
+    sqrt = staticmethod(math.sqrt)
+    any = staticmethod(bool)
+
+    @staticmethod
+    def not_(mask: bool) -> bool:
+        return not mask
+
+    @staticmethod
+    def false_like(x: float) -> bool:
+        return False
+
+
+class Space(Protocol[V]):
+    """The vector operations :func:`pcg` needs, and its scalars (:class:`TensorScalars`, one entry per
+    system, or :class:`HostScalars`)."""
+
+    scalars: type
+
+    def dot(self, x: V, y: V):
         """``⟨x, y⟩`` per system."""
 
-    def norm(self, x: V) -> torch.Tensor:
+    def norm(self, x: V):
         """``‖x‖`` per system (only read with a preconditioner; without one ``sqrt⟨R, R⟩`` is used)."""
 
-    def axpy_(self, a: torch.Tensor, x: V, y: V, value: float = 1.0) -> None:
+    def axpy_(self, a, x: V, y: V, value: float = 1.0) -> None:
         """``y += value·a·x`` in place."""
 
-    def xpby_(self, x: V, b: torch.Tensor, y: V) -> None:
+    def xpby_(self, x: V, b, y: V) -> None:
         """``y ← x + b·y`` in place."""
 
     def clone(self, x: V) -> V:
@@ -69,6 +125,8 @@ class Space(Protocol[V]):
 
 class BatchedSpace:
     """Independent systems along the leading axis of one tensor; ``⟨X, Y⟩ = Σ X·Y`` over the others."""
+
+    scalars = TensorScalars
 
     def __init__(self, like: torch.Tensor) -> None:
         self.B = like.shape[0]
@@ -90,11 +148,6 @@ class BatchedSpace:
         return x.clone()
 
 
-def _div(a: torch.Tensor, b: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
-    """``a / b`` where ``ok``, 0 elsewhere (nothing is divided by a zero)."""
-    return torch.where(ok, a / torch.where(ok, b, torch.ones_like(b)), torch.zeros_like(a))
-
-
 def pcg(
     space: Space[V],
     op: Callable[[V], V],
@@ -103,54 +156,49 @@ def pcg(
     *,
     precond: Callable[[V], V] | None = None,
     tol: float | None = None,
-    scale: torch.Tensor,
+    scale,
     maxiter: int,
-) -> tuple[int, torch.Tensor, torch.Tensor]:
+):
     """Conjugate gradients on ``K(X) = S`` from the iterate ``X`` and its residual ``R = S − K(X)``,
     both updated in place (see the module docstring for the iteration and the stopping rule).
 
     Args:
-        space: the vector operations (:class:`BatchedSpace`, or the joint projection's).
+        space: the vector operations and scalars (:class:`BatchedSpace`, or the joint projection's).
         op: ``X -> K(X)``, symmetric positive semi-definite in ``space``'s inner product.
         X, R: the start and its residual (modified in place).
         precond: ``R -> C⁻¹ R`` with ``C`` SPD; ``None``: none (``Z = R``).
         tol: stop a system once ``‖R‖ ≤ tol·scale`` (one host synchronisation per iteration);
             ``None``: run exactly ``maxiter`` iterations without synchronising.
-        scale: ``(B,)`` what the residual is measured against (``‖S‖``, as a rule).
+        scale: per system, what the residual is measured against (``‖S‖``, as a rule).
         maxiter: iteration cap.
 
     Returns:
-        ``(iterations, relative residual (B,), ⟨R, C⁻¹R⟩ (B,))`` at the last iterate.
+        ``(iterations, relative residual, ⟨R, C⁻¹R⟩)`` per system at the last iterate.
     """
-    tiny = torch.finfo(scale.dtype).tiny
-    scaled = scale.clamp_min(tiny)
-
-    def rel(norm: torch.Tensor) -> torch.Tensor:
-        return _div(norm, scaled, scale > 0)
-
+    S = space.scalars
     Z = R if precond is None else precond(R)
     D = space.clone(Z)
     rz = space.dot(R, Z)
-    res = rel(rz.sqrt() if precond is None else space.norm(R))
-    stalled = torch.zeros_like(rz, dtype=torch.bool)
+    res = S.relative(S.sqrt(rz) if precond is None else space.norm(R), scale)
+    stalled = S.false_like(rz)
     it = 0
     while it < maxiter:
-        if tol is not None and not bool(((res > tol) & ~stalled).any()):
+        if tol is not None and not S.any((res > tol) & S.not_(stalled)):
             break
         it += 1
         KD = op(D)
         dkd = space.dot(D, KD)
         go = dkd > 0
         if tol is not None:
-            go = go & (res > tol) & ~stalled
+            go = go & (res > tol) & S.not_(stalled)
             stalled = stalled | ((res > tol) & (dkd <= 0))  # breakdown: reported through the residual, not hidden
-        alpha = _div(rz, dkd, go)
+        alpha = S.div(rz, dkd, go)
         space.axpy_(alpha, D, X)
         space.axpy_(alpha, KD, R, value=-1.0)
         Z = R if precond is None else precond(R)
         rz_new = space.dot(R, Z)
-        res = rel(rz_new.sqrt() if precond is None else space.norm(R))
-        beta = _div(rz_new, rz, go & (rz > 0))
+        res = S.relative(S.sqrt(rz_new) if precond is None else space.norm(R), scale)
+        beta = S.div(rz_new, rz, go & (rz > 0))
         space.xpby_(Z, beta, D)
         rz = rz_new
     return it, res, rz
@@ -193,7 +241,7 @@ def batched_pcg(
     else:
         Kx = op(x0)
         xKx, xS = space.dot(x0, Kx), space.dot(x0, S)
-        alpha = _div(xS, xKx, xKx > 0).reshape(space.view)
+        alpha = TensorScalars.div(xS, xKx, xKx > 0).reshape(space.view)
         X, R = alpha * x0, torch.addcmul(S, alpha, Kx, value=-1.0)
     it, res, rz = pcg(space, op, X, R, precond=precond, tol=tol, scale=space.norm(S), maxiter=maxiter)
     return X, it, res, rz.clamp_min(0.0).sqrt()

@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from gaugeopt.projection.cg import pcg
+from gaugeopt.projection.cg import HostScalars, pcg
 from gaugeopt.projection.context import Context, names_of, vertical_family
 
 __all__ = ["FAMILIES", "OVERLAPPING", "REDUNDANT", "components", "qk_with_key_bias", "joint_component", "joint_solve"]
@@ -223,29 +223,26 @@ class _Dicts:
 
 class _Blocks:
     """The joint CG's space (:class:`gaugeopt.projection.cg.Space`): one vector per family; inner
-    products summed over the families on the host in float64, one system."""
+    products summed over the families on the host in float64, one system (:class:`~gaugeopt.projection.cg.HostScalars`)."""
+
+    scalars = HostScalars
 
     def __init__(self, vec) -> None:
         self.vec = vec
 
-    def _sum(self, xs, ys) -> float:
+    def dot(self, xs, ys) -> float:
         return sum(self.vec.dot(x, y) for x, y in zip(xs, ys))
 
-    def dot(self, xs, ys) -> torch.Tensor:
-        return torch.tensor(self._sum(xs, ys), dtype=torch.float64)
+    def norm(self, xs) -> float:
+        return math.sqrt(self.dot(xs, xs))
 
-    def norm(self, xs) -> torch.Tensor:
-        return self.dot(xs, xs).sqrt()
-
-    def axpy_(self, a: torch.Tensor, xs, ys, value: float = 1.0) -> None:
-        s = value * float(a)
+    def axpy_(self, a: float, xs, ys, value: float = 1.0) -> None:
         for x, y in zip(xs, ys):
-            self.vec.axpy_(s, x, y)
+            self.vec.axpy_(value * a, x, y)
 
-    def xpby_(self, xs, b: torch.Tensor, ys) -> None:
-        s = float(b)
+    def xpby_(self, xs, b: float, ys) -> None:
         for x, y in zip(xs, ys):
-            self.vec.xpby_(x, s, y)
+            self.vec.xpby_(x, b, y)
 
     def clone(self, xs):
         return [self.vec.clone(x) for x in xs]
@@ -289,12 +286,8 @@ def joint_solve(ctx: Context, families, u: dict[str, torch.Tensor], coeffs, *, t
             P(fam, w, o)
         return Sp
 
-    def bdot(xs, ys) -> float:
-        return sum(vec.dot(x, y) for x, y in zip(xs, ys))
-
     space = _Blocks(vec)
     unorm = math.sqrt(vec.dot(u, u)) or 1.0
-    scale = torch.tensor(unorm, dtype=torch.float64)
     iters = 0
     while True:
         vec.copy_(w, u)  # r_i ← P_i (I − P_k)(u − s): the true residual of the reduced system, per family
@@ -303,13 +296,13 @@ def joint_solve(ctx: Context, families, u: dict[str, torch.Tensor], coeffs, *, t
         vec.axpy_(-1.0, P(last, w, tmp), w)
         for fam, o in zip(firsts, r):
             P(fam, w, o)
-        res = math.sqrt(bdot(r, r)) / unorm
+        res = math.sqrt(space.dot(r, r)) / unorm
         if res <= tol or iters >= maxiter:
             break
         for d_ in delta:
             vec.zero_(d_)
         # the true residual above decides; CG's recursive one stops at half the tolerance (a margin for rounding)
-        done, _, _ = pcg(space, reduced, delta, r, tol=0.5 * tol, scale=scale, maxiter=maxiter - iters)
+        done, _, _ = pcg(space, reduced, delta, r, tol=0.5 * tol, scale=unorm, maxiter=maxiter - iters)
         iters += done
         for a_, d_ in zip(a, delta):
             vec.axpy_(1.0, d_, a_)
