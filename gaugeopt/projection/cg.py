@@ -59,9 +59,14 @@ class TensorScalars:
         return torch.where(ok, a / torch.where(ok, b, torch.ones_like(b)), torch.zeros_like(a))
 
     @staticmethod
-    def relative(norm: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def reference(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What :meth:`relative` divides by, prepared once per solve."""
+        return scale.clamp_min(torch.finfo(scale.dtype).tiny), scale > 0
+
+    @staticmethod
+    def relative(norm: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``norm / scale`` (0 where ``scale`` is 0)."""
-        return TensorScalars.div(norm, scale.clamp_min(torch.finfo(scale.dtype).tiny), scale > 0)
+        return TensorScalars.div(norm, *ref)
 
     sqrt = staticmethod(torch.sqrt)
 
@@ -84,6 +89,10 @@ class HostScalars:
     @staticmethod
     def div(a: float, b: float, ok: bool) -> float:
         return a / b if ok else 0.0
+
+    @staticmethod
+    def reference(scale: float) -> float:
+        return scale
 
     @staticmethod
     def relative(norm: float, scale: float) -> float:
@@ -176,10 +185,11 @@ def pcg(
         ``(iterations, relative residual, ⟨R, C⁻¹R⟩)`` per system at the last iterate.
     """
     S = space.scalars
+    ref = S.reference(scale)
     Z = R if precond is None else precond(R)
     D = space.clone(Z)
     rz = space.dot(R, Z)
-    res = S.relative(S.sqrt(rz) if precond is None else space.norm(R), scale)
+    res = S.relative(S.sqrt(rz) if precond is None else space.norm(R), ref)
     stalled = S.false_like(rz)
     it = 0
     while it < maxiter:
@@ -197,7 +207,7 @@ def pcg(
         space.axpy_(alpha, KD, R, value=-1.0)
         Z = R if precond is None else precond(R)
         rz_new = space.dot(R, Z)
-        res = S.relative(S.sqrt(rz_new) if precond is None else space.norm(R), scale)
+        res = S.relative(S.sqrt(rz_new) if precond is None else space.norm(R), ref)
         beta = S.div(rz_new, rz, go & (rz > 0))
         space.xpby_(Z, beta, D)
         rz = rz_new
