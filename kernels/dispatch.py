@@ -40,7 +40,8 @@ import torch
 
 from gaugeopt.errors import GaugeError
 
-__all__ = ["BACKENDS", "ENV_VAR", "Decision", "choose", "explain", "last_decision", "requested_backend", "triton_version"]
+__all__ = ["BACKENDS", "ENV_VAR", "Decision", "choose", "explain", "last_decision", "remember", "requested_backend",
+           "triton_version"]
 
 BACKENDS = ("auto", "triton", "torch")
 ENV_VAR = "GAUGEOPT_BACKEND"
@@ -143,7 +144,7 @@ def choose(
         op: operation name (for the record and the messages).
         device: where the inputs live.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (``"auto"`` defers to ``GAUGEOPT_BACKEND``).
-        module: the kernel module (``"gaugefix_triton"``) whose kernels would run.
+        module: the kernel module under ``gaugeopt.kernels`` (``"gaugefix.fused"``) whose kernels would run.
         unsupported: called only when Triton could run: the op's reason to refuse these inputs, or ``None``.
 
     Raises:
@@ -168,6 +169,12 @@ def choose(
             d = Decision(op, "torch", want, source, why)
     _LAST[op] = d
     return d
+
+
+def remember(decision: Decision) -> None:
+    """Record again a decision taken earlier and reused (a caller that caches its decisions), so that
+    :func:`last_decision` names the path that ran."""
+    _LAST[decision.op] = decision
 
 
 def last_decision(op: str) -> Decision | None:

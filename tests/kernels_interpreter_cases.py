@@ -22,8 +22,8 @@ import gaugeopt
 import zoo
 from gaugeopt.fix import GaugeFixer
 from gaugeopt.kernels import dispatch
-from gaugeopt.kernels import gaugefix_triton as gft
-from gaugeopt.kernels import projection_triton as pjt
+from gaugeopt.kernels.gaugefix import fused as gft
+from gaugeopt.kernels.projection import fused as pjt
 from kernel_helpers import (
     TOL, assert_same_fields, assert_same_fix, fix_reference, odd_gpt, project_with, random_field, train_steps, twin,
     vertical_with,
@@ -212,7 +212,7 @@ def test_environment_variable_forces_triton(monkeypatch):
     assert dispatch.last_decision("gauge_fix").backend == "torch"  # auto on CPU: the reference
 
 
-@pytest.mark.parametrize("mod", [gft, pjt], ids=["gaugefix_triton", "projection_triton"])
+@pytest.mark.parametrize("mod", [gft, pjt], ids=["gaugefix.fused", "projection.fused"])
 def test_docstring_examples_run(mod):
     result = doctest.testmod(mod, verbose=False)
     assert result.failed == 0
@@ -319,3 +319,152 @@ def test_fused_gauge_fix_object_reuses_its_tables_across_steps(monkeypatch):
     r1, r2 = fix_reference(model, opt, vo=True), fix()
     assert_same_fix(model, opt, r1, m2, o2, r2, torch.float64)
     assert len(packs) == 2
+
+
+# ---------------------------------------------------------------------- each kernel against its naive reference
+# The kernels on synthetic tensors (odd widths, strided views, several tensors per side) against the plain-torch
+# references beside them (gaugeopt.kernels.*.naive); tests/test_kernel_references.py checks the references
+# against the model-level torch paths.
+from gaugeopt.kernels import gaugefix as kfix  # noqa: E402
+from gaugeopt.kernels import projection as kproj  # noqa: E402
+
+
+def _store(dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Storage for three pairs: a fused Q/K weight in nn.Linear layout (80 rows + 5 other rows, 37 columns),
+    its biases, V rows, an O weight (columns = 6 heads × 10), multipliers, and two moments of each."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, positive=False):
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+        return (x.abs() + 0.1 if positive else x * 0.5 + 1.0).to(dtype)
+
+    shapes = {"w": (85, 37), "b": (80,), "v": (20, 37), "o": (37, 60), "r_q": (6, 10), "r_k": (2, 10)}
+    out = {}
+    for k, shape in shapes.items():
+        out[k] = rnd(*shape)
+        out[k + ".m1"] = rnd(*shape)
+        out[k + ".m2"] = rnd(*shape, positive=True)
+    return out
+
+
+def _pairs(st: dict) -> list:
+    """Plain Q/K rows + biases in RoPE-plane slots (3 planes + 4 single channels), V rows against O columns
+    per channel, multipliers per head; parameters then moments of power 1 and 2."""
+    T = kfix.FixTensor
+
+    def with_state(key, view_of, side, columns=False):
+        return [T(view_of(st[key]), side, 0, columns)], [T(view_of(st[key + m]), side, k, columns)
+                                                          for m, k in ((".m1", 1), (".m2", 2))]
+
+    qk = [with_state("w", lambda t: t[:60].view(6, 10, 37), 0), with_state("b", lambda t: t[:60].view(6, 10), 0),
+          with_state("w", lambda t: t[60:80].view(2, 10, 37), 1), with_state("b", lambda t: t[60:80].view(2, 10), 1)]
+    vo = [with_state("v", lambda t: t.view(2, 10, 37), 0), with_state("o", lambda t: t.view(37, 6, 10), 1, True)]
+    lrm = [with_state("r_q", lambda t: t, 0), with_state("r_k", lambda t: t, 1)]
+
+    def pair(parts, slot, repeat_a, repeat_b):
+        params = [t for p, _ in parts for t in p]
+        states = [t for _, s in parts for t in s]
+        return kfix.FixPair(params + states, 2, 10, slot, max(slot) + 1, repeat_a, repeat_b)
+
+    planes = [0, 1, 2, 0, 1, 2, 3, 4, 5, 6]
+    return [pair(qk, planes, 3, 1), pair(vo, list(range(10)), 1, 3), pair(lrm, [0] * 10, 3, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("opts", [{}, dict(product_decay=0.2, product_max=0.5)], ids=["plain", "magnitude"])
+def test_gaugefix_kernel_matches_its_naive_reference(monkeypatch, dtype, opts):
+    monkeypatch.setattr(gft, "_TILE_ELEMS", 256)  # BLOCK_C = 16 -> BLOCK_X = 16: 37 columns in three tiles
+    ref, got = _store(dtype, 7), _store(dtype, 7)
+    before = {k: t.clone() for k, t in got.items()}
+    expect = kfix.fix_naive(_pairs(ref), **opts)
+    numbers = kfix.prepare(_pairs(got), **opts).run()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    for want, have in zip(expect, numbers):
+        for x, y in zip(want, have):
+            if x.dtype == torch.bool:
+                assert torch.equal(x, y), (x, y)
+            else:
+                assert y.dtype == acc
+                torch.testing.assert_close(y, x, **TOL[acc])
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], **TOL[dtype], msg=lambda m: f"{k}: {m}")
+    # not vacuous: every pair changed its groups, and every tensor (the 5 rows outside the pairs aside) moved
+    assert all(bool(n[4].all()) for n in numbers)
+    assert all(not torch.equal(before[k], got[k]) for k in got)
+    assert torch.equal(before["w"][80:], got["w"][80:]) and torch.equal(before["w.m2"][80:], got["w.m2"][80:])
+
+
+def _proj_store(dtype, seed: int, layout: str) -> dict[str, torch.Tensor]:
+    """A fused Q/K weight (``"linear"``: rows × columns, ``"conv1d"``: stored transposed), its biases and
+    multipliers; the field in the same layouts; the outputs zero."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * 0.5 + 1.0).to(dtype)
+
+    w = rnd(80, 37) if layout == "linear" else rnd(37, 80).T
+    du = rnd(80, 37) if layout == "linear" else rnd(37, 80).T
+    return {"w": w, "u": du, "out": torch.zeros_like(du), "b": rnd(80), "ub": rnd(80), "outb": torch.zeros(80, dtype=dtype),
+            "r_q": rnd(6, 10), "r_k": rnd(2, 10), "u_q": rnd(6, 10), "u_k": rnd(2, 10),
+            "o_q": torch.zeros(6, 10, dtype=dtype), "o_k": torch.zeros(2, 10, dtype=dtype)}
+
+
+def _plane_site(st: dict, twist: bool):
+    def rows(key, lo, hi, heads):
+        return st[key][lo:hi].view(heads, 10, 37) if st[key].is_contiguous() else st[key][lo:hi].unflatten(0, (heads, 10))
+
+    def bias(key, lo, hi, heads):
+        return st[key][lo:hi].view(heads, 10)
+
+    side_a = [kproj.PlaneMember(rows("w", 0, 60, 6), rows("u", 0, 60, 6), rows("out", 0, 60, 6)),
+              kproj.PlaneMember(bias("b", 0, 60, 6), bias("ub", 0, 60, 6), bias("outb", 0, 60, 6))]
+    side_b = [kproj.PlaneMember(rows("w", 60, 80, 2), rows("u", 60, 80, 2), rows("out", 60, 80, 2)),
+              kproj.PlaneMember(bias("b", 60, 80, 2), bias("ub", 60, 80, 2), bias("outb", 60, 80, 2))]
+    planes = [(2 * m, 2 * m + 1) for m in range(5)]  # interleaved: 5 planes of a 10-channel head
+    return kproj.PlaneSite(side_a, side_b, planes, groups=2, repeat_a=3, repeat_b=1,
+                           twist_a=st["r_q"] if twist else None, twist_b=st["r_k"] if twist else None)
+
+
+def _diag_sites(st: dict):
+    qk = kproj.DiagonalSite(st["r_q"], st["r_k"], st["u_q"], st["u_k"], st["o_q"], st["o_k"], groups=2, repeat_a=3,
+                            repeat_b=1, slot=[0, 1, 2, 0, 1, 2, 3, 4, 5, 6], n_slots=7)
+    vo = kproj.DiagonalSite(st["r_k"], st["r_q"], st["u_k"], st["u_q"], st["o_k"], st["o_q"], groups=2, repeat_a=1,
+                            repeat_b=3, slot=list(range(10)), n_slots=10)
+    return [qk], [vo]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("layout,twist,subtract", [("linear", True, False), ("conv1d", True, True), ("linear", False, True)])
+def test_plane_kernel_matches_its_naive_reference(monkeypatch, dtype, layout, twist, subtract):
+    monkeypatch.setattr(pjt, "_BLOCK_P", 4)  # 5 planes -> 2 plane blocks, the second one partial
+    monkeypatch.setattr(pjt, "_TILE_ELEMS", 128)  # 32 columns per tile: 37 -> two tiles, the second partial
+    ref, got = _proj_store(dtype, 5, layout), _proj_store(dtype, 5, layout)
+    rtol = 1000 * torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    kproj.project_planes_naive([_plane_site(ref, twist)], rtol=rtol, subtract=subtract)
+    kproj.project_planes([_plane_site(got, twist)], rtol=rtol, subtract=subtract)
+    for k in ("out", "outb"):
+        assert_same_fields({k: ref[k]}, {k: got[k]}, dtype, k)
+        moved = got[k] - (got["u" if k == "out" else "ub"] if subtract else 0)
+        assert float(moved.abs().min()) > 0  # not vacuous: every entry of every plane has a vertical part
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("subtract", [False, True], ids=["vertical", "horizontal"])
+def test_diagonal_kernel_matches_its_naive_reference(dtype, subtract):
+    ref, got = _proj_store(dtype, 6, "linear"), _proj_store(dtype, 6, "linear")
+    rtol = 1000 * torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    for k in range(2):  # a Q/K-like layer (GQA, plane slots), then a V/O-like one (repeat on side b)
+        kproj.project_diagonal_naive(_diag_sites(ref)[k], rtol=rtol, subtract=subtract)
+        kproj.project_diagonal(_diag_sites(got)[k], rtol=rtol, subtract=subtract)
+        for key in ("o_q", "o_k"):
+            assert_same_fields({key: ref[key]}, {key: got[key]}, dtype, f"layer {k} {key}")
+            assert float(got[key].abs().min()) > 0
+
+
+def test_plane_kernel_refuses_a_zero_twist_like_its_reference():
+    ref, got = _proj_store(F64, 5, "linear"), _proj_store(F64, 5, "linear")
+    ref["r_k"][1, 3] = got["r_k"][1, 3] = 0.0
+    with pytest.raises(gaugeopt.GaugeError, match="exact zero"):
+        kproj.project_planes_naive([_plane_site(ref, True)], rtol=1e-12)
+    with pytest.raises(gaugeopt.GaugeError, match="exact zero"):
+        kproj.project_planes([_plane_site(got, True)], rtol=1e-12)

@@ -13,7 +13,7 @@ import gaugeopt
 # Modules whose examples need something a CPU test process does not have: the Triton kernels
 # compile for a GPU unless TRITON_INTERPRET=1 was set before their import
 # (tests/kernels_interpreter_cases.py runs their examples in such a process).
-NEEDS_GPU = {"gaugeopt.kernels.gaugefix_triton", "gaugeopt.kernels.projection_triton"}
+NEEDS_GPU = {"gaugeopt.kernels.gaugefix.fused", "gaugeopt.kernels.projection.fused"}
 
 
 def _modules() -> list[str]:
@@ -65,7 +65,7 @@ def _references() -> dict[str, set[str]]:
     role = re.compile(r":(?:func|class|mod|meth|attr|data|exc):`~?(gaugeopt(?:\.\w+)+)`")
     ticked = re.compile(r"`(gaugeopt(?:\.\w+)+)`")
     found: dict[str, set[str]] = {}
-    for path in [*root.joinpath("gaugeopt").rglob("*.py"), *root.joinpath("kernels").glob("*.py")]:
+    for path in [*root.joinpath("gaugeopt").rglob("*.py"), *root.joinpath("kernels").rglob("*.py")]:
         for name in role.findall(path.read_text()):
             found.setdefault(name, set()).add(str(path.relative_to(root)))
     for path in [root / "README.md", *root.joinpath("docs").glob("*.md")]:

@@ -19,8 +19,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import triton.language as tl  # noqa: E402
 
-from gaugeopt.kernels import gaugefix_triton as gft  # noqa: E402
-from gaugeopt.kernels import projection_triton as pjt  # noqa: E402
+from gaugeopt.kernels.gaugefix import fused as gft  # noqa: E402
+from gaugeopt.kernels.projection import fused as pjt  # noqa: E402
 
 
 def _compile(fn, sig: dict, consts: dict, **options):

@@ -65,13 +65,13 @@ def test_forcing_triton_on_cpu_without_the_interpreter_is_an_error(monkeypatch):
 
 def test_interpreter_set_after_import_is_an_error(monkeypatch):
     pytest.importorskip("triton")
-    import gaugeopt.kernels.gaugefix_triton  # noqa: F401  (decorated for the GPU: the variable is unset)
+    import gaugeopt.kernels.gaugefix.fused  # noqa: F401  (decorated for the GPU: the variable is unset)
 
-    if dispatch.kernels_interpreted("gaugefix_triton"):
+    if dispatch.kernels_interpreted("gaugefix.fused"):
         pytest.skip("this process imported the kernels under the interpreter")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(gaugeopt.GaugeError, match="imported before TRITON_INTERPRET=1"):
-        dispatch.choose("gauge_fix", CPU, backend="triton", module="gaugefix_triton")
+        dispatch.choose("gauge_fix", CPU, backend="triton", module="gaugefix.fused")
 
 
 def test_missing_triton_is_an_error_when_forced_and_a_reason_otherwise(monkeypatch):
@@ -119,7 +119,34 @@ def test_a_reused_fixer_plans_once_and_matches_one_shot_fixes():
 
 
 def test_importing_gaugeopt_and_kernels_does_not_import_triton():
-    code = ("import sys, gaugeopt, gaugeopt.kernels; from gaugeopt.kernels import dispatch; "
-            "import gaugeopt.fix.triton_backend, gaugeopt.projection.triton_backend; print('triton' in sys.modules)")
+    code = ("import sys, gaugeopt, gaugeopt.kernels; from gaugeopt.kernels import dispatch, gaugefix, projection; "
+            "import gaugeopt.kernels.gaugefix.naive, gaugeopt.kernels.projection.naive; "
+            "import gaugeopt.fix.triton_backend, gaugeopt.projection.triton_backend, gaugeopt.projection.routing; "
+            "print('triton' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_projectors_route_is_decided_once_per_kind_of_field(monkeypatch):
+    """The projector asks the dispatch once per signature of the field (dtype, device and type of each
+    tensor the kernel would read, and the requested backend), not per sector per call; a reused
+    decision is recorded again, and a new kind of field or a new request is decided anew."""
+    model = odd_gpt(lrm=True, rope="interleaved", rotary_dim=None)
+    proj = gaugeopt.GaugeProjector(model, sectors=("qk", "lrm_qk", "lrm_vo"))
+    asked = []
+    real = dispatch.choose
+    monkeypatch.setattr(dispatch, "choose", lambda op, *a, **kw: asked.append(op) or real(op, *a, **kw))
+    u = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    first = proj.vertical(u)
+    assert asked == ["project_qk", "project_lrm_qk", "project_lrm_vo"]
+    dispatch._LAST.pop("project_qk")
+    again = proj.vertical({n: torch.randn_like(p) for n, p in model.named_parameters()})
+    assert len(asked) == 3 and dispatch.last_decision("project_qk").backend == "torch"  # reused, recorded again
+    assert all(not torch.equal(first[n], again[n]) for n in first)  # the projection itself ran again
+    proj.vertical({n: t.float() for n, t in u.items()})  # another dtype: decided again
+    assert len(asked) == 6
+    monkeypatch.setenv(dispatch.ENV_VAR, "torch")  # another request: decided again
+    proj.vertical(u)
+    assert len(asked) == 9 and dispatch.last_decision("project_qk").source == "environment"
+    proj.vertical(u, sectors=("qk", "lrm_internal"))  # a joint projection never goes to the kernel
+    assert len(asked) == 9

@@ -313,7 +313,7 @@ class GaugeFixer:
                 return unsupported_reason(self.plans, state)
 
             self.decision = dispatch.choose("gauge_fix", self._device, backend=self.backend,
-                                            module="gaugefix_triton", unsupported=unsupported)
+                                            module="gaugefix.fused", unsupported=unsupported)
             if self.decision.backend == "triton":
                 from gaugeopt.fix.triton_backend import TritonFix
 

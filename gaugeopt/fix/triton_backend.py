@@ -1,8 +1,8 @@
 """The Triton backend of the gauge fix: plans → descriptor tables → one fused launch.
 
-The kernel (:mod:`gaugeopt.kernels.gaugefix_triton`) knows tensors, not models; this module
-turns :class:`~gaugeopt.fix.plan.PairPlan` s and the optimizer state the host chose to transport
-into its :class:`~gaugeopt.kernels.gaugefix_triton.FixPair` descriptors, says why the kernel
+The kernel op (:mod:`gaugeopt.kernels.gaugefix`: kernel, launcher and plain-torch reference) knows
+tensors, not models; this module turns :class:`~gaugeopt.fix.plan.PairPlan` s and the optimizer state
+the host chose to transport into its :class:`~gaugeopt.kernels.gaugefix.spec.FixPair` descriptors, says why the kernel
 cannot take a model (:func:`unsupported_reason`), and keeps the packed tables while no parameter
 or state tensor is reallocated (:func:`storage_fingerprint`).
 """
@@ -22,7 +22,7 @@ __all__ = ["TritonFix", "unsupported_reason", "storage_fingerprint"]
 
 def unsupported_reason(plans: Sequence[PairPlan], state: StateMap) -> str | None:
     """Why the fused kernel cannot take these plans (``None`` when it can)."""
-    from gaugeopt.kernels.gaugefix_triton import SUPPORTED_DTYPES
+    from gaugeopt.kernels.gaugefix.spec import SUPPORTED_DTYPES
 
     if not plans:
         return "no plans (the model has no attention site to fix)"
@@ -70,7 +70,7 @@ def storage_fingerprint(plans: Sequence[PairPlan], state: StateMap) -> tuple:
 
 
 def _fix_pair(plan: PairPlan, state: StateMap):
-    from gaugeopt.kernels.gaugefix_triton import FixPair, FixTensor
+    from gaugeopt.kernels.gaugefix.spec import FixPair, FixTensor
 
     params, states = [], []
     for side_i, (_, members) in enumerate(plan.sides()):
@@ -91,7 +91,7 @@ class TritonFix:
 
     def __init__(self, plans: Sequence[PairPlan], state: StateMap, *, eps: float = 1e-12,
                  product_decay: float | None = None, product_max: float | None = None) -> None:
-        from gaugeopt.kernels.gaugefix_triton import prepare
+        from gaugeopt.kernels.gaugefix.fused import prepare
 
         self.plans = list(plans)
         self.fingerprint = storage_fingerprint(self.plans, state)

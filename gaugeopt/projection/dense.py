@@ -41,7 +41,7 @@ not implemented: :class:`DenseSector` refuses it, and the projector leaves such 
 **RoPE.** ``X`` must commute with the rotations: ``a·I + b·J`` on each plane ``(p, q)``, free
 on the non-rotary block. The images of ``I_m`` and ``J_m`` live on the rows ``p, q`` only, so
 planes are mutually orthogonal and orthogonal to the free block: each plane is a 2×2 problem
-(solved in closed form, :func:`_solve_2x2`). Without twists ``⟨g_I, g_J⟩ = tr(J P_mm) − tr(J R_mm) = 0``
+(solved in closed form, :mod:`gaugeopt.projection.planes`). Without twists ``⟨g_I, g_J⟩ = tr(J P_mm) − tr(J R_mm) = 0``
 (``J`` antisymmetric, the blocks symmetric) and ``‖g_I‖² = ‖g_J‖² = tr P_mm + tr R_mm``, so
 ``a = (S_pp + S_qq)/N``, ``b = (S_qp − S_pq)/N``; with twists the 2×2 Gram is solved.
 
@@ -49,7 +49,7 @@ planes are mutually orthogonal and orthogonal to the free block: each plane is a
 equations ``K(M) = S``, preconditioned by one ADI step of the (reparametrised) Sylvester pair
 (:class:`~gaugeopt.projection.sylvester.ShiftedSylvester`: two Cholesky factorisations, no
 eigendecomposition), started from the best multiple of the previous call's coefficients
-(:func:`~gaugeopt.projection.sylvester.batched_pcg`):
+(:func:`~gaugeopt.projection.cg.batched_pcg`):
 CG minimises the ``K``-norm of the coefficient error, which *is* the norm of the vertical part
 left behind, over a space that contains the start, so the approximation never leaves more
 vertical part than there was. ``"paper000"``: paper 000 Algorithm 2 — two one-sided
@@ -92,7 +92,10 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.structure.pair import GaugePair, PairSide
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.projection import sylvester
-from gaugeopt.projection.sylvester import ShiftedSylvester, SylvesterInverse, batched_pcg
+from gaugeopt.projection.cg import batched_pcg
+from gaugeopt.projection.planes import plane_apply, plane_prepare
+from gaugeopt.projection.rows import Rows, grouped_sum, per_head, rows, sel, sel_rows, zero_coef
+from gaugeopt.projection.sylvester import ShiftedSylvester, SylvesterInverse
 
 __all__ = ["DenseSector", "STACK_SITES"]
 
@@ -114,23 +117,6 @@ def _index(idx: list[int]) -> slice | None:
     return slice(idx[0], idx[-1] + 1, step)
 
 
-def _sel(t: torch.Tensor | None, idx: slice, dim: int = 1):
-    """``t`` restricted to the rows ``idx`` along ``dim`` (a view)."""
-    return None if t is None else t[(slice(None),) * dim + (idx,)]
-
-
-@dataclass
-class _Rows:
-    """One side of one site in some tensor store: rows ``(heads, n, m)`` and bias ``(heads, n)``."""
-
-    W: torch.Tensor
-    b: torch.Tensor | None
-
-
-def _rows(side: PairSide, acc) -> _Rows:
-    return _Rows(side.rows(acc(side.weight)), None if side.bias is None else acc(side.bias))
-
-
 def _twist(side: PairSide, acc, site: AttentionSite) -> torch.Tensor | None:
     if side.mult is None:
         return None
@@ -150,25 +136,15 @@ def _cat(ts: list):
     return ts[0] if len(ts) == 1 else torch.cat(ts, 0)
 
 
-def _products(x: _Rows, y: _Rows) -> torch.Tensor:
+def _products(x: Rows, y: Rows) -> torch.Tensor:
     """``[W_x | b_x] [W_y | b_y]ᵀ`` per head, ``(heads, f, f)``: one ``baddbmm``, the bias as a rank-one term."""
     if x.b is None:
         return torch.bmm(x.W, y.W.mT)
     return torch.baddbmm(x.b[:, :, None] * y.b[:, None, :], x.W, y.W.mT)
 
 
-def _grouped_sum(t: torch.Tensor, k: int) -> torch.Tensor:
-    """``(heads, ...) → (heads / k, ...)``: the sum over the ``k`` heads of each group."""
-    return t if k == 1 else t.reshape(t.shape[0] // k, k, *t.shape[1:]).sum(1)
-
-
-def _per_head(t: torch.Tensor, k: int) -> torch.Tensor:
-    """``(groups, ...) → (groups·k, ...)``: the group's value for each of its ``k`` heads."""
-    return t if k == 1 else t[:, None].expand(t.shape[0], k, *t.shape[1:]).reshape(-1, *t.shape[1:])
-
-
-def _add_images(Mh: torch.Tensor, src: _Rows, dst: list[_Rows]) -> None:
-    """``dst += Mh · src`` row block by row block (``Mh (heads, f, f)``; ``dst`` one ``_Rows`` per
+def _add_images(Mh: torch.Tensor, src: Rows, dst: list[Rows]) -> None:
+    """``dst += Mh · src`` row block by row block (``Mh (heads, f, f)``; ``dst`` one ``Rows`` per
     site, together ``heads`` heads): in place into the output's views. A column side (the O
     weight, rows strided along the model width) is written as ``dstᵀ += srcᵀ Mhᵀ``, the layout
     BLAS writes in place."""
@@ -217,8 +193,8 @@ class _Point:
     """One site at θ: its rows and twists, and the RoPE planes' 2×2 Grams."""
 
     st: _Site
-    A: _Rows
-    B: _Rows
+    A: Rows
+    B: Rows
     lam: torch.Tensor | None  # (heads_a, n)
     gam: torch.Tensor | None  # (heads_b, n)
     plane: dict | None = None
@@ -305,10 +281,10 @@ class DenseSector:
         points = []
         by_key: dict[tuple, list[int]] = {}
         for st in self.static:
-            pt = _Point(st, _rows(st.sa, ctx.weight), _rows(st.sb, ctx.weight),
+            pt = _Point(st, rows(st.sa, ctx.weight), rows(st.sb, ctx.weight),
                         _twist(st.sa, ctx.weight, st.site), _twist(st.sb, ctx.weight, st.site))
             if st.n_planes:
-                pt.plane = _plane_prepare(pt, ctx.rtol)
+                pt.plane = plane_prepare(pt, ctx.rtol)
             if st.n_free:
                 by_key.setdefault(st.key(), []).append(len(points))
             points.append(pt)
@@ -323,16 +299,16 @@ class DenseSector:
         coefs = {} if record is not None else None
         for pt in prep.points:
             if pt.plane is not None:
-                _plane_apply(pt, u, out, coefs)
+                plane_apply(pt, u, out, coefs)
         for bi, batch in enumerate(prep.batches):
             key = batch.points[0].st.key()
-            d = [(_sel_rows(_rows(pt.st.sa, u), pt.st.free), _sel_rows(_rows(pt.st.sb, u), pt.st.free))
+            d = [(sel_rows(rows(pt.st.sa, u), pt.st.free), sel_rows(rows(pt.st.sb, u), pt.st.free))
                  for pt in batch.points]
             SA, SB = [], []
             for ci, chunk in enumerate(batch.chunks):
                 A, B, lam, gam = _chunk_theta(batch, ci)
-                dA = _Rows(_cat([d[i][0].W for i in chunk]), _cat([d[i][0].b for i in chunk]))
-                dB = _Rows(_cat([d[i][1].W for i in chunk]), _cat([d[i][1].b for i in chunk]))
+                dA = Rows(_cat([d[i][0].W for i in chunk]), _cat([d[i][0].b for i in chunk]))
+                dB = Rows(_cat([d[i][1].W for i in chunk]), _cat([d[i][1].b for i in chunk]))
                 sa, sb = _cross(A, dA, lam, B, dB, gam, batch.points[0].st)
                 SA.append(sa)
                 SB.append(sb)
@@ -345,23 +321,23 @@ class DenseSector:
                 Mc = M[off : off + G]
                 off += G
                 Ma, Mb = _head_matrices(Mc, lam, gam, st)
-                outs = [(_sel_rows(_rows(batch.points[i].st.sa, out), st.free),
-                         _sel_rows(_rows(batch.points[i].st.sb, out), st.free)) for i in chunk]
+                outs = [(sel_rows(rows(batch.points[i].st.sa, out), st.free),
+                         sel_rows(rows(batch.points[i].st.sb, out), st.free)) for i in chunk]
                 _add_images(Ma, A, [o[0] for o in outs])
                 _add_images(Mb, B, [o[1] for o in outs])
                 if coefs is not None:
                     for j, i in enumerate(chunk):
                         pt = batch.points[i]
-                        c = coefs.setdefault(id(pt), _zero_coef(pt))
+                        c = coefs.setdefault(id(pt), zero_coef(pt))
                         h = st.groups
                         _set_block(c, st.free, Mc[j * h : (j + 1) * h])
         if record is None:
             return
         for pt in prep.points:
             sa, sb = pt.st.sa, pt.st.sb
-            vsq = _sq(_rows(sa, out)) + _sq(_rows(sb, out))
-            usq = _sq(_rows(sa, u)) + _sq(_rows(sb, u))
-            record(self.name, pt.st.site.name, coefs.get(id(pt), _zero_coef(pt)), vsq, usq)
+            vsq = _sq(rows(sa, out)) + _sq(rows(sb, out))
+            usq = _sq(rows(sa, u)) + _sq(rows(sb, u))
+            record(self.name, pt.st.site.name, coefs.get(id(pt), zero_coef(pt)), vsq, usq)
 
     # ------------------------------------------------------------------ explicit generators
     def basis(self, ctx, prep: _Prepared):
@@ -393,17 +369,9 @@ class DenseSector:
                     yield f"{self.name}:{st.site.name}:group{j}:{label}", _writer(pt, M)
 
 
-def _sel_rows(r: _Rows, idx) -> _Rows:
-    return _Rows(_sel(r.W, idx), _sel(r.b, idx))
-
-
-def _sq(r: _Rows) -> torch.Tensor:
+def _sq(r: Rows) -> torch.Tensor:
     s = torch.linalg.vector_norm(r.W).square()
     return s if r.b is None else s + r.b.square().sum()
-
-
-def _zero_coef(pt: _Point) -> torch.Tensor:
-    return torch.zeros(pt.st.groups, pt.st.n, pt.st.n, dtype=pt.A.W.dtype, device=pt.A.W.device)
 
 
 def _set_block(c: torch.Tensor, idx, block: torch.Tensor) -> None:
@@ -415,23 +383,23 @@ def _writer(pt: _Point, M: torch.Tensor):
 
     def write(out) -> None:
         Ma, Mb = _head_matrices(M, pt.lam, pt.gam, pt.st)
-        _add_images(Ma, pt.A, [_rows(pt.st.sa, out)])
-        _add_images(Mb, pt.B, [_rows(pt.st.sb, out)])
+        _add_images(Ma, pt.A, [rows(pt.st.sa, out)])
+        _add_images(Mb, pt.B, [rows(pt.st.sb, out)])
 
     return write
 
 
 def _head_matrices(M, lam, gam, st: _Site) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head generator matrices: ``Λ_k⁻¹ Mᵀ Λ_k`` (side a), ``−Γ_k⁻¹ M Γ_k`` (side b)."""
-    Ma = _per_head(M.mT, st.sa.repeat)
+    Ma = per_head(M.mT, st.sa.repeat)
     if lam is not None:
         Ma = Ma * (lam[:, None, :] / lam[:, :, None])
-    Mb = _per_head(M, st.sb.repeat)
+    Mb = per_head(M, st.sb.repeat)
     Mb = -Mb if gam is None else Mb * (gam[:, None, :] / -gam[:, :, None])
     return Ma, Mb
 
 
-def _cross(A: _Rows, dA: _Rows, lam, B: _Rows, dB: _Rows, gam, st: _Site) -> tuple[torch.Tensor, torch.Tensor]:
+def _cross(A: Rows, dA: Rows, lam, B: Rows, dB: Rows, gam, st: _Site) -> tuple[torch.Tensor, torch.Tensor]:
     """``S_A = Σ_A Λ a duᵀ Λ⁻¹`` and ``S_B = Σ_B Γ⁻¹ du bᵀ Γ`` per group ``(G, f, f)`` (``S = S_A − S_B``)."""
     SA = _products(A, dA)
     if lam is not None:
@@ -439,7 +407,7 @@ def _cross(A: _Rows, dA: _Rows, lam, B: _Rows, dB: _Rows, gam, st: _Site) -> tup
     SB = _products(dB, B)
     if gam is not None:
         SB = SB * (gam[:, None, :] / gam[:, :, None])
-    return _grouped_sum(SA, st.sa.repeat), _grouped_sum(SB, st.sb.repeat)
+    return grouped_sum(SA, st.sa.repeat), grouped_sum(SB, st.sb.repeat)
 
 
 def _stack_sites(device: torch.device) -> bool:
@@ -453,10 +421,10 @@ def _chunk_theta(batch: _Batch, ci: int):
     chunk = batch.chunks[ci]
     pts = [batch.points[i] for i in chunk]
     F = pts[0].st.free
-    A = _Rows(_cat([_sel(p.A.W, F) for p in pts]), _cat([_sel(p.A.b, F) for p in pts]))
-    B = _Rows(_cat([_sel(p.B.W, F) for p in pts]), _cat([_sel(p.B.b, F) for p in pts]))
-    lam = _cat([_sel(p.lam, F) for p in pts])
-    gam = _cat([_sel(p.gam, F) for p in pts])
+    A = Rows(_cat([sel(p.A.W, F) for p in pts]), _cat([sel(p.A.b, F) for p in pts]))
+    B = Rows(_cat([sel(p.B.W, F) for p in pts]), _cat([sel(p.B.b, F) for p in pts]))
+    lam = _cat([sel(p.lam, F) for p in pts])
+    gam = _cat([sel(p.gam, F) for p in pts])
     out = (A, B, lam, gam)
     if len(chunk) > 1:
         batch.stacked = batch.stacked or {}
@@ -588,97 +556,3 @@ def _operator(b: _Batch):
         return a + c
 
     return op
-
-
-def _plane_rows(r: _Rows, P, Q):
-    return _sel(r.W, P), _sel(r.W, Q), _sel(r.b, P), _sel(r.b, Q)
-
-
-def _pdot(w1, w2, b1, b2):
-    """Row-wise inner products of augmented rows ``[w | b]``: ``(heads, planes)``."""
-    s = (w1 * w2).sum(-1)
-    return s if b1 is None else s + b1 * b2
-
-
-def _plane_prepare(pt: _Point, rtol) -> dict:
-    """2×2 Gram of ``(g_I, g_J)`` per plane and group."""
-    st = pt.st
-    P, Q = st.p, st.q
-    Ap, Aq, apb, aqb = _plane_rows(pt.A, P, Q)
-    Bp, Bq, bpb, bqb = _plane_rows(pt.B, P, Q)
-    App, Aqq, Apq = _pdot(Ap, Ap, apb, apb), _pdot(Aq, Aq, aqb, aqb), _pdot(Ap, Aq, apb, aqb)  # (heads_a, planes)
-    Bpp, Bqq, Bpq = _pdot(Bp, Bp, bpb, bpb), _pdot(Bq, Bq, bqb, bqb), _pdot(Bp, Bq, bpb, bqb)
-    al = torch.ones_like(App) if pt.lam is None else _sel(pt.lam, Q) / _sel(pt.lam, P)  # λ_q / λ_p
-    be = torch.ones_like(Bpp) if pt.gam is None else _sel(pt.gam, Q) / _sel(pt.gam, P)  # γ_q / γ_p
-    kA, kB = st.sa.repeat, st.sb.repeat
-    gII = _grouped_sum(App + Aqq, kA) + _grouped_sum(Bpp + Bqq, kB)
-    gJJ = _grouped_sum(al**2 * Aqq + al**-2 * App, kA) + _grouped_sum(be**2 * Bqq + be**-2 * Bpp, kB)
-    gIJ = _grouped_sum((al - 1 / al) * Apq, kA) + _grouped_sum((1 / be - be) * Bpq, kB)
-    return {"al": al, "be": be, "gram": (gII, gIJ, gJJ), "rtol": rtol}
-
-
-def _solve_2x2(g11, g12, g22, r1, r2, rtol):
-    """Minimum-norm ``(x1, x2)`` of the 2×2 PSD systems ``[[g11, g12], [g12, g22]] x = r`` (batched),
-    under the pseudo-inverse rule: an eigenvalue ``≤ rtol·λ_max`` is dropped, never divided by."""
-    half_tr = 0.5 * (g11 + g22)
-    rad = torch.sqrt((0.5 * (g11 - g22)).square() + g12.square())
-    lmax = (half_tr + rad).clamp_min(0.0)
-    tiny = torch.finfo(g11.dtype).tiny
-    lmin = ((g11 * g22 - g12 * g12) / lmax.clamp_min(tiny)).clamp_min(0.0)  # det / λ_max: no cancellation
-    both = lmin > rtol * lmax
-    det = (g11 * g22 - g12 * g12).clamp_min(tiny)
-    x1_full, x2_full = (g22 * r1 - g12 * r2) / det, (g11 * r2 - g12 * r1) / det
-    # rank one: the eigenvector of λ_max, from the better conditioned of its two expressions
-    u1, u2 = g12, lmax - g11
-    w1, w2 = lmax - g22, g12
-    use_w = (w1.square() + w2.square()) > (u1.square() + u2.square())
-    v1, v2 = torch.where(use_w, w1, u1), torch.where(use_w, w2, u2)
-    nv = torch.sqrt(v1.square() + v2.square())
-    ok = (nv > 0) & (lmax > 0)
-    v1 = torch.where(ok, v1 / nv.clamp_min(tiny), torch.where(g11 >= g22, torch.ones_like(v1), torch.zeros_like(v1)))
-    v2 = torch.where(ok, v2 / nv.clamp_min(tiny), torch.where(g11 >= g22, torch.zeros_like(v2), torch.ones_like(v2)))
-    c = torch.where(lmax > 0, (v1 * r1 + v2 * r2) / lmax.clamp_min(tiny), torch.zeros_like(r1))
-    return torch.where(both, x1_full, c * v1), torch.where(both, x2_full, c * v2)
-
-
-def _plane_apply(pt: _Point, u, out, coefs) -> None:
-    st, pl = pt.st, pt.plane
-    P, Q, al, be = st.p, st.q, pl["al"], pl["be"]
-    Ap, Aq, apb, aqb = _plane_rows(pt.A, P, Q)
-    Bp, Bq, bpb, bqb = _plane_rows(pt.B, P, Q)
-    dAp, dAq, dapb, daqb = _plane_rows(_rows(st.sa, u), P, Q)
-    dBp, dBq, dbpb, dbqb = _plane_rows(_rows(st.sb, u), P, Q)
-    kA, kB = st.sa.repeat, st.sb.repeat
-    rI = _grouped_sum(_pdot(dAp, Ap, dapb, apb) + _pdot(dAq, Aq, daqb, aqb), kA) \
-        - _grouped_sum(_pdot(dBp, Bp, dbpb, bpb) + _pdot(dBq, Bq, dbqb, bqb), kB)
-    rJ = _grouped_sum(al * _pdot(dAp, Aq, dapb, aqb) - _pdot(dAq, Ap, daqb, apb) / al, kA) \
-        + _grouped_sum(be * _pdot(dBp, Bq, dbpb, bqb) - _pdot(dBq, Bp, dbqb, bpb) / be, kB)
-    gII, gIJ, gJJ = pl["gram"]
-    if st.orthogonal:  # only the rotation b·J of each plane is a gauge
-        a = torch.zeros_like(rJ)
-        b = torch.where(gJJ > 0, rJ / gJJ.clamp_min(torch.finfo(gJJ.dtype).tiny), torch.zeros_like(rJ))
-    else:
-        a, b = _solve_2x2(gII, gIJ, gJJ, rI, rJ, pl["rtol"])  # (G, planes)
-    aA, bA, aB, bB = _per_head(a, kA), _per_head(b, kA), _per_head(a, kB), _per_head(b, kB)
-    oAp, oAq, oapb, oaqb = _plane_rows(_rows(st.sa, out), P, Q)
-    oBp, oBq, obpb, obqb = _plane_rows(_rows(st.sb, out), P, Q)
-    for (o, x, y, c1, c2) in (
-        (oAp, Ap, Aq, aA, bA * al), (oAq, Aq, Ap, aA, -bA / al),
-        (oBp, Bp, Bq, -aB, bB * be), (oBq, Bq, Bp, -aB, -bB / be),
-    ):
-        o.addcmul_(c1[..., None], x).addcmul_(c2[..., None], y)
-    for (o, x, y, c1, c2) in (
-        (oapb, apb, aqb, aA, bA * al), (oaqb, aqb, apb, aA, -bA / al),
-        (obpb, bpb, bqb, -aB, bB * be), (obqb, bqb, bpb, -aB, -bB / be),
-    ):
-        if o is not None:
-            o.addcmul_(c1, x).addcmul_(c2, y)
-    if coefs is not None:  # the coefficients as the matrix a·I + b·J (J[q, p] = 1, J[p, q] = -1)
-        c = coefs.setdefault(id(pt), _zero_coef(pt))
-        n = st.n
-        ids = torch.arange(n, device=c.device)
-        pi, qi = ids[P], ids[Q]
-        c[:, pi, pi] = a
-        c[:, qi, qi] = a
-        c[:, qi, pi] = b
-        c[:, pi, qi] = -b

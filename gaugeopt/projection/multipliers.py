@@ -66,7 +66,7 @@ import torch
 from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
-from gaugeopt.projection.sylvester import batched_pcg
+from gaugeopt.projection.cg import batched_pcg
 
 __all__ = ["DiagonalSector", "InternalSector"]
 

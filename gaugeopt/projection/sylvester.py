@@ -25,9 +25,10 @@ lies in the range of the Gram operator), so the projection stays exact on rank-d
 weights (a dead channel, a zero head).
 
 With learnable multipliers (LRM) and GQA the normal equations of the dense gauge in ``W̄``
-coordinates become a sum of more than two Kronecker products (:func:`batched_pcg`), which has no
-direct ``O(n³)`` solution; they are solved by conjugate gradients preconditioned with the exact
-Sylvester inverse of the nearest two-term operator, to a stated relative residual.
+coordinates become a sum of more than two Kronecker products, which has no direct ``O(n³)``
+solution; they are solved by conjugate gradients (:func:`gaugeopt.projection.cg.batched_pcg`)
+preconditioned with the exact Sylvester inverse of the nearest two-term operator (or with
+:class:`ShiftedSylvester`), to a stated relative residual.
 
 Example:
     >>> import torch
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["default_rtol", "default_cg_tol", "SylvesterInverse", "psd_solve", "psd_pinv_apply", "batched_pcg", "ShiftedSylvester", "GRAM_EIG"]
+__all__ = ["default_rtol", "default_cg_tol", "SylvesterInverse", "psd_solve", "psd_pinv_apply", "ShiftedSylvester", "GRAM_EIG"]
 
 # How the batched eigendecompositions of the Gram matrices P = F Fᵀ are computed:
 # "eigh" (torch.linalg.eigh of P), "svd" (singular values/vectors of the tall factor Fᵀ), or
@@ -225,96 +226,3 @@ def psd_solve(G: torch.Tensor, b: torch.Tensor, rtol: float | None = None) -> to
     lam, vec = _eigh_clamped(G)
     inv = _pinv_values(lam, rtol)
     return (vec @ (inv * (vec.mT @ b[..., None])[..., 0])[..., None])[..., 0]
-
-
-def batched_pcg(
-    op,
-    S: torch.Tensor,
-    precond,
-    *,
-    tol: float | None = None,
-    maxiter: int,
-    x0: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
-    """Batched preconditioned conjugate gradients for symmetric positive semi-definite operators.
-
-    Solves ``K(X) = S`` for a batch of independent systems (the leading axis; the others are
-    flattened into one vector per system, ``⟨X, Y⟩ = Σ X·Y``), e.g. the LRM + GQA normal equations
-    ``Σ_k P̂_k M Λ_k⁻² + Σ_k Γ_k⁻² M R̂_k = S`` of the dense gauges or the Schur complement of
-    ``lrm_internal``.
-
-    CG minimises the ``K``-norm of the error ``‖X − X*‖_K`` over ``x0 + 𝒦_j``; for normal equations
-    ``K = GᵀG`` that norm is ``‖G(X − X*)‖`` — the part of the vertical component a projection with
-    ``X`` would leave behind — so every iterate is at least as good as its start. A start ``x0`` is
-    first replaced by its best multiple ``α·x0``, ``α = ⟨x0, S⟩ / ⟨x0, K x0⟩`` (0 when that is not
-    positive): ``‖α x0 − X*‖²_K = ‖X*‖²_K − ⟨x0, S⟩²/⟨x0, K x0⟩ ≤ ‖X*‖²_K``, never worse than zero.
-
-    Args:
-        op: ``X -> K(X)``, symmetric PSD in the Frobenius product.
-        S: right-hand sides ``(B, ...)`` (in the range of ``K``).
-        precond: ``R -> C⁻¹ R`` with ``C`` SPD.
-        tol: stop when every system has ``‖S − K(X)‖ ≤ tol·‖S‖`` (one host synchronisation per
-            iteration); ``None``: run exactly ``maxiter`` iterations without synchronising.
-        maxiter: iteration cap (the iteration count when ``tol`` is ``None``).
-        x0: a starting guess (``None``: zero).
-
-    Returns:
-        ``(X, iterations, relative residual (B,), estimate (B,))`` where the estimate is
-        ``sqrt(rᵀ C⁻¹ r)`` at the last iterate — the ``K``-norm of the error when ``C = K``, an
-        estimate of it otherwise.
-
-    Example:
-        >>> import torch
-        >>> from gaugeopt.projection.sylvester import batched_pcg
-        >>> A = torch.tensor([[[4.0, 1.0], [1.0, 3.0]]], dtype=torch.float64)
-        >>> X, iters, res, _ = batched_pcg(lambda x: A @ x, torch.tensor([[[1.0], [2.0]]], dtype=torch.float64),
-        ...                                lambda r: r, tol=1e-12, maxiter=10)
-        >>> iters, bool(res.max() < 1e-12), [round(float(v), 6) for v in X.flatten()]
-        (2, True, [0.090909, 0.636364])
-    """
-    B = S.shape[0]
-    view = (B,) + (1,) * (S.dim() - 1)
-    dot = lambda a, b: (a * b).reshape(B, -1).sum(1)  # noqa: E731
-    tiny = torch.finfo(S.dtype).tiny
-    norm_s = torch.linalg.vector_norm(S.reshape(B, -1), dim=1)
-
-    def div(a, b, ok):
-        return torch.where(ok, a / torch.where(ok, b, torch.ones_like(b)), torch.zeros_like(a))
-
-    if x0 is None:
-        X, R = torch.zeros_like(S), S.clone()
-    else:
-        Kx = op(x0)
-        xKx, xS = dot(x0, Kx), dot(x0, S)
-        alpha = div(xS, xKx, xKx > 0).reshape(view)
-        X, R = alpha * x0, torch.addcmul(S, alpha, Kx, value=-1.0)
-
-    def rel(r):
-        return div(torch.linalg.vector_norm(r.reshape(B, -1), dim=1), norm_s.clamp_min(tiny), norm_s > 0)
-
-    Z = precond(R)
-    D = Z.clone()
-    rz = dot(R, Z)
-    res = rel(R)
-    stalled = torch.zeros(B, dtype=torch.bool, device=S.device)
-    it = 0
-    while it < maxiter:  # in-place vector updates: no allocation per iteration but the operator's
-        if tol is not None and not bool(((res > tol) & ~stalled).any()):
-            break
-        it += 1
-        KD = op(D)
-        dkd = dot(D, KD)
-        go = dkd > 0
-        if tol is not None:
-            go = go & (res > tol) & ~stalled
-            stalled = stalled | ((res > tol) & (dkd <= 0))  # breakdown: reported through the residual, not hidden
-        alpha = div(rz, dkd, go).reshape(view)
-        X.addcmul_(alpha, D)
-        R.addcmul_(alpha, KD, value=-1.0)
-        res = rel(R)
-        Z = precond(R)
-        rz_new = dot(R, Z)
-        beta = div(rz_new, rz, go & (rz > 0)).reshape(view)
-        D.mul_(beta).add_(Z)
-        rz = rz_new
-    return X, it, res, rz.clamp_min(0.0).sqrt()

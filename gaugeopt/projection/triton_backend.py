@@ -1,10 +1,12 @@
-"""The Triton backend of the closed-form projection sectors: sites → descriptor tables → one launch.
+"""The Triton backend of the closed-form projection sectors: attention sites → the kernel op's tensors.
 
 :class:`~gaugeopt.projection.GaugeProjector` routes ``lrm_qk``, ``lrm_vo`` and the ``qk`` sector
-of full-rotary RoPE layers (a closed form per plane) here when the dispatch
-(:mod:`gaugeopt.kernels.dispatch`) picks Triton; the kernels are
-:mod:`gaugeopt.kernels.projection_triton`. Which tensors form each side comes from the sites'
-:class:`~gaugeopt.structure.pair.GaugePair`.
+of full-rotary RoPE layers (a closed form per plane) here when its route
+(:mod:`gaugeopt.projection.routing`) picks Triton. This module says why the kernel cannot take a
+model (:func:`unsupported_reason`), describes the sites as the kernel op's tensors
+(:func:`describe`: which tensors form each side comes from the sites'
+:class:`~gaugeopt.structure.pair.GaugePair`) and runs it (:func:`vertical_triton`); the kernels,
+their launchers and their plain-torch references are :mod:`gaugeopt.kernels.projection`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from gaugeopt.structure.pair import GaugePair, Member
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
 
-__all__ = ["FUSED_SECTORS", "unsupported_reason", "vertical_triton", "fused_sites"]
+__all__ = ["FUSED_SECTORS", "unsupported_reason", "vertical_triton", "describe", "fused_sites", "fused_refs"]
 
 FUSED_SECTORS = ("lrm_qk", "lrm_vo", "qk")
 
@@ -52,9 +54,14 @@ def _refs(sites, sector):
                 yield m.ref
 
 
+def fused_refs(sites: Sequence[AttentionSite], sector: str) -> list:
+    """The tensors the fused kernel reads for ``sector`` (parameters; the field at the same names)."""
+    return list(_refs(fused_sites(sites, sector), sector))
+
+
 def unsupported_reason(sites: Sequence[AttentionSite], sector: str, tensors: Mapping[str, torch.Tensor]) -> str | None:
     """Why the fused kernel cannot project ``sector`` of these sites (``None`` when it can)."""
-    from gaugeopt.kernels.projection_triton import SUPPORTED_DTYPES
+    from gaugeopt.kernels.projection.spec import SUPPORTED_DTYPES
 
     if sector not in FUSED_SECTORS:
         return f"sector {sector!r} has no closed form (fused sectors: {FUSED_SECTORS}); it needs the Sylvester solve"
@@ -69,7 +76,7 @@ def unsupported_reason(sites: Sequence[AttentionSite], sector: str, tensors: Map
                 return (f"{s.name}: the qk sector is a closed form only when every channel is in a RoPE plane "
                         f"(rope={s.rope.kind}, rotary_dim={s.rope.rotary_dim}, d_k={s.d_k}); the dense block needs the "
                         "Sylvester solve")
-    pdt, udt, dev = set(), set(), set()
+    pdt, udt, dev, missing = set(), set(), set(), False
     for ref in _refs(sites, sector):
         p = ref.param
         u = tensors.get(ref.name)
@@ -84,55 +91,42 @@ def unsupported_reason(sites: Sequence[AttentionSite], sector: str, tensors: Map
         pdt.add(p.dtype)
         if u is not None:
             udt.add(u.dtype)
+        missing |= u is None
     if len(dev) > 1:
         return f"tensors on several devices {sorted(map(str, dev))}"
     if len(pdt) > 1 or len(udt) > 1:
         return f"the {sector} parameters (or the vector field) mix dtypes"
+    if missing and udt and udt != pdt:  # a missing entry is zeros of the parameter's dtype: one launch takes one
+        return f"the vector field ({sorted(map(str, udt))}) misses entries of the {sector} parameters ({sorted(map(str, pdt))})"
+    if sector == "qk":
+        twists = {m.param.dtype for s in sites for m in (_pair(s, sector).a.mult, _pair(s, sector).b.mult) if m is not None}
+        if twists - pdt:
+            return f"the row multipliers ({sorted(map(str, twists))}) and the rows ({sorted(map(str, pdt))}) differ in dtype"
     return None
 
 
-def _geometry(view: torch.Tensor) -> tuple[int, int, int, int]:
-    """(stride_head, stride_chan, stride_col, n_cols) of a ``(heads, width[, cols])`` view."""
-    if view.dim() == 2:
-        return view.stride(0), view.stride(1), 0, 1
-    return view.stride(0), view.stride(1), view.stride(2), view.shape[2]
-
-
-def vertical_triton(
+def describe(
     sites: Sequence[AttentionSite],
     sector: str,
     tensors: Mapping[str, torch.Tensor],
     *,
-    rtol: float | None = None,
     subtract: bool = False,
     inplace: bool = False,
-) -> dict[str, torch.Tensor]:
-    """The vertical part of ``tensors`` in ``sector`` (or ``u − v`` with ``subtract=True``).
+) -> tuple[list, dict[str, torch.Tensor], torch.dtype]:
+    """The kernel op's input for ``sector`` of ``sites``: ``(descriptions, outputs, accumulation dtype)``.
 
-    Args:
-        sites: attention sites (:func:`gaugeopt.find_attention`).
-        sector: ``"lrm_qk"``, ``"lrm_vo"`` or ``"qk"`` (full-rotary RoPE planes).
-        tensors: ``{name: u}`` as in ``model.named_parameters()``; missing entries count as zero.
-        rtol: pseudo-inverse threshold (default ``1000·ε`` of the compute dtype).
-        subtract: return the horizontal part ``u − v`` of the sector's tensors instead.
-        inplace: with ``subtract``, write ``u − v`` into the given tensors.
-
-    Returns:
-        ``{name: tensor}`` over the sector's parameters, each in its input's dtype (the
-        parameter's dtype where the entry was missing): what the torch projector returns.
+    The descriptions are :class:`~gaugeopt.kernels.projection.spec.DiagonalSite` (``lrm_qk``,
+    ``lrm_vo``) or :class:`~gaugeopt.kernels.projection.spec.PlaneSite` (``qk``) of the sites that
+    carry the sector, on views of the parameters, of the field (a copy in the parameter's layout
+    where its strides differ; zeros where an entry is missing) and of the outputs: zeros, or for
+    ``subtract`` a copy of the field (the given tensor itself with ``inplace``).
     """
-    from gaugeopt.kernels import projection_triton as kt
+    from gaugeopt.kernels.projection.spec import DiagonalSite, PlaneMember, PlaneSite
 
-    why = unsupported_reason(sites, sector, tensors)
-    if why is not None:
-        raise GaugeError(f"vertical_triton cannot project these sites: {why}; use the torch path (backend='torch')")
     sites = fused_sites(sites, sector)
     params = {r.name: r.param for r in _refs(sites, sector)}
     dts = {p.dtype for p in params.values()} | {t.dtype for n, t in tensors.items() if n in params}
     acc = torch.float64 if torch.float64 in dts else torch.float32
-    rtol = default_rtol(acc) if rtol is None else rtol
-    device = next(iter(params.values())).device
-
     src: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for n, p in params.items():
@@ -146,58 +140,66 @@ def vertical_triton(
             out[n] = u if (inplace and u is tensors.get(n)) else u.clone()
         else:
             out[n] = torch.zeros_like(u)
-    pdt = next(iter(params.values())).dtype
-    udt = next(iter(src.values())).dtype
-    rt = torch.tensor([rtol], dtype=acc, device=device)
+    found = []
+    for site in sites:
+        pair = _pair(site, sector)
+        ma, mb = _members(site, sector)
+        if sector in ("lrm_qk", "lrm_vo"):
+            (a,), (b,) = ma, mb
+            slot = plane_index(pair.rope, pair.width)
+            va, vb = a.ref.get().detach(), b.ref.get().detach()
+            found.append(DiagonalSite(va, vb, a.ref.view(src[a.ref.name]), b.ref.view(src[b.ref.name]),
+                                      a.ref.view(out[a.ref.name]), b.ref.view(out[b.ref.name]), groups=pair.groups,
+                                      repeat_a=pair.a.repeat, repeat_b=pair.b.repeat, slot=slot.tolist(),
+                                      n_slots=int(slot.max()) + 1))
+        else:
+            def members(ms):
+                return [PlaneMember(m.ref.get().detach(), m.ref.view(src[m.ref.name]), m.ref.view(out[m.ref.name]))
+                        for m in ms]
+
+            found.append(PlaneSite(members(ma), members(mb), [tuple(pq) for pq in pair.rope.planes(pair.width)],
+                                   pair.groups, pair.a.repeat, pair.b.repeat,
+                                   twist_a=None if pair.a.mult is None else pair.a.mult.get().detach(),
+                                   twist_b=None if pair.b.mult is None else pair.b.mult.get().detach()))
+    return found, out, acc
+
+
+def vertical_triton(
+    sites: Sequence[AttentionSite],
+    sector: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    rtol: float | None = None,
+    subtract: bool = False,
+    inplace: bool = False,
+    checked: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The vertical part of ``tensors`` in ``sector`` (or ``u − v`` with ``subtract=True``).
+
+    Args:
+        sites: attention sites (:func:`gaugeopt.find_attention`).
+        sector: ``"lrm_qk"``, ``"lrm_vo"`` or ``"qk"`` (full-rotary RoPE planes).
+        tensors: ``{name: u}`` as in ``model.named_parameters()``; missing entries count as zero.
+        rtol: pseudo-inverse threshold (default ``1000·ε`` of the compute dtype).
+        subtract: return the horizontal part ``u − v`` of the sector's tensors instead.
+        inplace: with ``subtract``, write ``u − v`` into the given tensors.
+        checked: the caller has asked :func:`unsupported_reason` already (the projector's route).
+
+    Returns:
+        ``{name: tensor}`` over the sector's parameters, each in its input's dtype (the
+        parameter's dtype where the entry was missing): what the torch projector returns.
+    """
+    from gaugeopt.kernels import projection as kp
+
+    why = None if checked else unsupported_reason(sites, sector, tensors)
+    if why is not None:
+        raise GaugeError(f"vertical_triton cannot project these sites: {why}; use the torch path (backend='torch')")
+    found, out, acc = describe(sites, sector, tensors, subtract=subtract, inplace=inplace)
+    rtol = default_rtol(acc) if rtol is None else rtol
     if sector in ("lrm_qk", "lrm_vo"):
-        site_rows, desc_rows, slots = [], [], []
-        block_k, block_c = 1, 1
-        for site in sites:
-            pair = _pair(site, sector)
-            (ma,), (mb,) = _members(site, sector)
-            width = pair.width
-            slot = plane_index(pair.rope, width)
-            site_rows.append([len(desc_rows), pair.groups, pair.a.repeat, pair.b.repeat, width, int(slot.max()) + 1,
-                              len(slots), 0])
-            slots += slot.tolist()
-            for m in (ma, mb):
-                v = m.ref.get().detach()
-                for t in (v, m.ref.view(src[m.ref.name]), m.ref.view(out[m.ref.name])):
-                    desc_rows.append([t.data_ptr(), v.stride(0), v.stride(1), 0])
-            block_k = max(block_k, pair.a.repeat, pair.b.repeat)
-            block_c = max(block_c, width)
-        kt.launch_diagonal(site_rows, desc_rows, slots, rt, param_dtype=pdt, field_dtype=udt, subtract=subtract,
-                           block_k=block_k, block_c=block_c)
+        kp.project_diagonal(found, rtol=rtol, subtract=subtract)
     else:
-        unit_rows, site_rows, desc_rows, twist_rows, planes = [], [], [], [], []
-        max_cols, has_twist = 1, False
-        for si, site in enumerate(sites):
-            pair = _pair(site, sector)
-            ma, mb = _members(site, sector)
-            pl = pair.rope.planes(pair.width)
-            site_rows.append([len(desc_rows), len(ma), len(mb), pair.a.repeat, pair.b.repeat, len(pl), len(planes), 0])
-            planes += [list(pq) for pq in pl]
-            for m in ma + mb:
-                v = m.ref.get().detach()
-                sh, sc, sx, ncols = _geometry(v)
-                desc_rows.append([v.data_ptr(), m.ref.view(src[m.ref.name]).data_ptr(),
-                                  m.ref.view(out[m.ref.name]).data_ptr(), sh, sc, sx, ncols, 0])
-                max_cols = max(max_cols, ncols)
-            for tw in (pair.a.mult, pair.b.mult):
-                if tw is None:
-                    twist_rows.append([0, 0, 0])
-                else:
-                    tv = tw.get().detach()
-                    twist_rows.append([tv.data_ptr(), tv.stride(0), tv.stride(1)])
-                    has_twist = True
-            unit_rows += kt.plane_units(pair.groups, len(pl), si)
-        flags = kt.launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rt, param_dtype=pdt,
-                                 field_dtype=udt, subtract=subtract, has_twist=has_twist, max_cols=max_cols)
-        if has_twist and bool(flags.any()):  # the one host sync, only with multipliers (as the torch path checks)
-            raise GaugeError(
-                "a Q/K row multiplier has an exact zero; the gauge generators in W̄ coordinates divide by it. "
-                "Re-initialise that multiplier."
-            )
+        kp.project_planes(found, rtol=rtol, subtract=subtract)
     if inplace and subtract:
         for n, t in out.items():
             given = tensors.get(n)

@@ -26,19 +26,42 @@ rows ``[W̄ | b̄]`` of the group's query heads (side A) and key head (side B), 
 
 Both kernels read the parameters, the vector field ``u`` and write the vertical part (or
 ``u − v`` in place, ``subtract=True``) through descriptor tables; reductions run in float32
-(float64 when any input is float64). This module knows tables, not models: the host side that
-builds them from attention sites is :mod:`gaugeopt.projection.triton_backend`.
+(float64 when any input is float64).
+
+This module is the kernels, their launchers and the public functions :func:`project_diagonal`
+and :func:`project_planes`, which check the tensor descriptions (:mod:`.spec`), pack the tables
+and launch. The plain-torch references of both are :mod:`.naive`; the host side that describes
+a model's attention sites as :class:`~.spec.DiagonalSite` / :class:`~.spec.PlaneSite` is
+:mod:`gaugeopt.projection.triton_backend`.
+
+Example (on CUDA tensors; on CPU only with ``TRITON_INTERPRET=1`` set before this module is
+imported, which is how ``tests/kernels_interpreter_cases.py`` runs it):
+    >>> import torch
+    >>> from gaugeopt.kernels.projection import DiagonalSite, project_diagonal
+    >>> r_q, r_k = torch.ones(1, 2), torch.ones(1, 2)                  # one head, two channels
+    >>> u_q, u_k = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 3.0]])
+    >>> v_q, v_k = torch.zeros(1, 2), torch.zeros(1, 2)
+    >>> project_diagonal([DiagonalSite(r_q, r_k, u_q, u_k, v_q, v_k, groups=1, repeat_a=1, repeat_b=1,
+    ...                                slot=[0, 1], n_slots=2)], rtol=1e-6)
+    >>> v_q.tolist(), v_k.tolist()        # t = (1·1 − 0) / 2 on channel 0, (0 − 1·3) / 2 on channel 1
+    ([[0.5, -1.5]], [[-0.5, 1.5]])
 """
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["SUPPORTED_DTYPES", "launch_diagonal", "launch_planes"]
+from gaugeopt.errors import GaugeError
+from gaugeopt.kernels.projection.spec import (
+    DiagonalSite, PlaneSite, accumulation_dtype, check_diagonal, check_planes,
+)
 
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+__all__ = ["project_diagonal", "project_planes"]
+
 _TL = {torch.float32: tl.float32, torch.float64: tl.float64, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 _TILE_ELEMS = 4096  # elements of one (plane, column) tile of the RoPE kernel
 _BLOCK_P = 16  # planes per program of the RoPE kernel
@@ -119,6 +142,54 @@ def _diag_kernel(
 
 # ---------------------------------------------------------------------- device code: RoPE planes
 @triton.jit
+def _plane_side(side, d0, n_da, n_db, k_a, k_b):
+    """One side of a site: heads per group, its first and past-the-end descriptor rows, the sign of ``I`` on it."""
+    n_members = tl.where(side == 0, k_a, k_b)
+    dlo = tl.where(side == 0, d0, d0 + n_da)
+    dhi = tl.where(side == 0, d0 + n_da, d0 + n_da + n_db)
+    return n_members, dlo, dhi, tl.where(side == 0, 1.0, -1.0)
+
+
+@triton.jit
+def _plane_member(desc_tab, d, head, P_T: tl.constexpr, U_T: tl.constexpr):
+    """One member tensor: parameter and field pointers, the head's offset, channel and column strides, columns."""
+    drow = desc_tab + d * 8
+    return (tl.load(drow + 0).to(tl.pointer_type(P_T)), tl.load(drow + 1).to(tl.pointer_type(U_T)),
+            head * tl.load(drow + 3), tl.load(drow + 4), tl.load(drow + 5), tl.load(drow + 6))
+
+
+@triton.jit
+def _plane_tile(pptr, hoff, rp, rq, sc, sx, x0, xr, pmask, ncols, ACC_T: tl.constexpr):
+    """The rows ``P`` and ``Q`` of every plane of the block over one tile of columns: mask, offsets, values."""
+    xm = pmask[:, None] & ((x0 + xr) < ncols)[None, :]
+    xo = (x0 + xr)[None, :] * sx
+    op = hoff + rp[:, None] * sc + xo
+    oq = hoff + rq[:, None] * sc + xo
+    ap = tl.load(pptr + op, mask=xm, other=0.0).to(ACC_T)
+    aq = tl.load(pptr + oq, mask=xm, other=0.0).to(ACC_T)
+    return xm, op, oq, ap, aq
+
+
+@triton.jit
+def _plane_twist(twist_tab, s, side, head, rp, rq, pmask, P_T: tl.constexpr, ACC_T: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    """``α = λ_Q/λ_P`` of one head per plane (1 where the side has no multiplier) and a flag where ``λ`` is 0."""
+    al = tl.full([BLOCK_P], 1.0, ACC_T)
+    zero = tl.zeros([BLOCK_P], dtype=tl.int32)
+    trow = twist_tab + s * 6 + side * 3
+    taddr = tl.load(trow)
+    if taddr != 0:
+        tptr = taddr.to(tl.pointer_type(P_T))
+        tsh = tl.load(trow + 1)
+        tsc = tl.load(trow + 2)
+        lp = tl.load(tptr + head * tsh + rp * tsc, mask=pmask, other=1.0).to(ACC_T)
+        lq = tl.load(tptr + head * tsh + rq * tsc, mask=pmask, other=1.0).to(ACC_T)
+        zero = ((lp == 0.0) | (lq == 0.0)).to(tl.int32)
+        al = lq / tl.where(lp == 0.0, 1.0, lp)
+    return al, zero
+
+
+@triton.jit
 def _plane_kernel(
     unit_tab,  # (n_units, 3) int64: site, KV group, first plane
     site_tab,  # (n_sites, 8) int64: desc row start, A members, B members, k_a, k_b, n_planes, plane offset, -
@@ -159,10 +230,7 @@ def _plane_kernel(
     bad = tl.zeros([BLOCK_P], dtype=tl.int32)
     # ---- pass 1: Gram and cross terms over both sides, every member head, every column
     for side in range(0, 2):
-        n_members = tl.where(side == 0, k_a, k_b)
-        dlo = tl.where(side == 0, d0, d0 + n_da)
-        dhi = tl.where(side == 0, d0 + n_da, d0 + n_da + n_db)
-        sgn = tl.where(side == 0, 1.0, -1.0)
+        n_members, dlo, dhi, sgn = _plane_side(side, d0, n_da, n_db, k_a, k_b)
         for kk in range(0, n_members):
             head = j * n_members + kk
             app = tl.zeros([BLOCK_P], dtype=ACC_T)
@@ -172,21 +240,9 @@ def _plane_kernel(
             ipq = tl.zeros([BLOCK_P], dtype=ACC_T)  # <dA_P, A_Q>
             iqp = tl.zeros([BLOCK_P], dtype=ACC_T)  # <dA_Q, A_P>
             for d in range(dlo, dhi):
-                drow = desc_tab + d * 8
-                pptr = tl.load(drow + 0).to(tl.pointer_type(P_T))
-                uptr = tl.load(drow + 1).to(tl.pointer_type(U_T))
-                sh = tl.load(drow + 3)
-                sc = tl.load(drow + 4)
-                sx = tl.load(drow + 5)
-                ncols = tl.load(drow + 6)
-                hoff = head * sh
+                pptr, uptr, hoff, sc, sx, ncols = _plane_member(desc_tab, d, head, P_T, U_T)
                 for x0 in range(0, ncols, BLOCK_X):
-                    xm = pmask[:, None] & ((x0 + xr) < ncols)[None, :]
-                    xo = (x0 + xr)[None, :] * sx
-                    op = hoff + rp[:, None] * sc + xo
-                    oq = hoff + rq[:, None] * sc + xo
-                    ap = tl.load(pptr + op, mask=xm, other=0.0).to(ACC_T)
-                    aq = tl.load(pptr + oq, mask=xm, other=0.0).to(ACC_T)
+                    xm, op, oq, ap, aq = _plane_tile(pptr, hoff, rp, rq, sc, sx, x0, xr, pmask, ncols, ACC_T)
                     dp = tl.load(uptr + op, mask=xm, other=0.0).to(ACC_T)
                     dq = tl.load(uptr + oq, mask=xm, other=0.0).to(ACC_T)
                     app += tl.sum(ap * ap, axis=1)
@@ -197,16 +253,8 @@ def _plane_kernel(
                     iqp += tl.sum(dq * ap, axis=1)
             al = tl.full([BLOCK_P], 1.0, ACC_T)
             if HAS_TWIST:
-                trow = twist_tab + s * 6 + side * 3
-                taddr = tl.load(trow)
-                if taddr != 0:
-                    tptr = taddr.to(tl.pointer_type(P_T))
-                    tsh = tl.load(trow + 1)
-                    tsc = tl.load(trow + 2)
-                    lp = tl.load(tptr + head * tsh + rp * tsc, mask=pmask, other=1.0).to(ACC_T)
-                    lq = tl.load(tptr + head * tsh + rq * tsc, mask=pmask, other=1.0).to(ACC_T)
-                    bad = bad | ((lp == 0.0) | (lq == 0.0)).to(tl.int32)
-                    al = lq / tl.where(lp == 0.0, 1.0, lp)
+                al, zero = _plane_twist(twist_tab, s, side, head, rp, rq, pmask, P_T, ACC_T, BLOCK_P)
+                bad = bad | zero
             inv_al = 1.0 / tl.where(al == 0.0, 1.0, al)
             g_ii += app + aqq
             g_jj += al * al * aqq + inv_al * inv_al * app
@@ -242,43 +290,22 @@ def _plane_kernel(
 
     # ---- pass 2: write v (or u − v) on the rows P and Q
     for side in range(0, 2):
-        n_members = tl.where(side == 0, k_a, k_b)
-        dlo = tl.where(side == 0, d0, d0 + n_da)
-        dhi = tl.where(side == 0, d0 + n_da, d0 + n_da + n_db)
-        sgn = tl.where(side == 0, 1.0, -1.0)
+        n_members, dlo, dhi, sgn = _plane_side(side, d0, n_da, n_db, k_a, k_b)
         for kk in range(0, n_members):
             head = j * n_members + kk
             al = tl.full([BLOCK_P], 1.0, ACC_T)
             if HAS_TWIST:
-                trow = twist_tab + s * 6 + side * 3
-                taddr = tl.load(trow)
-                if taddr != 0:
-                    tptr = taddr.to(tl.pointer_type(P_T))
-                    lp = tl.load(tptr + head * tl.load(trow + 1) + rp * tl.load(trow + 2), mask=pmask, other=1.0).to(ACC_T)
-                    lq = tl.load(tptr + head * tl.load(trow + 1) + rq * tl.load(trow + 2), mask=pmask, other=1.0).to(ACC_T)
-                    al = lq / tl.where(lp == 0.0, 1.0, lp)
+                al, zero = _plane_twist(twist_tab, s, side, head, rp, rq, pmask, P_T, ACC_T, BLOCK_P)
             inv_al = 1.0 / tl.where(al == 0.0, 1.0, al)
             # A: v_P = a A_P + bα A_Q, v_Q = a A_Q − bα⁻¹ A_P;   B: v_P = −a B_P + bβ B_Q, v_Q = −a B_Q − bβ⁻¹ B_P
             fa = (sgn * ca)[:, None]
             fpq = (cb * al)[:, None]
             fqp = (cb * inv_al)[:, None]
             for d in range(dlo, dhi):
-                drow = desc_tab + d * 8
-                pptr = tl.load(drow + 0).to(tl.pointer_type(P_T))
-                uptr = tl.load(drow + 1).to(tl.pointer_type(U_T))
-                optr = tl.load(drow + 2).to(tl.pointer_type(U_T))
-                sh = tl.load(drow + 3)
-                sc = tl.load(drow + 4)
-                sx = tl.load(drow + 5)
-                ncols = tl.load(drow + 6)
-                hoff = head * sh
+                pptr, uptr, hoff, sc, sx, ncols = _plane_member(desc_tab, d, head, P_T, U_T)
+                optr = tl.load(desc_tab + d * 8 + 2).to(tl.pointer_type(U_T))
                 for x0 in range(0, ncols, BLOCK_X):
-                    xm = pmask[:, None] & ((x0 + xr) < ncols)[None, :]
-                    xo = (x0 + xr)[None, :] * sx
-                    op = hoff + rp[:, None] * sc + xo
-                    oq = hoff + rq[:, None] * sc + xo
-                    ap = tl.load(pptr + op, mask=xm, other=0.0).to(ACC_T)
-                    aq = tl.load(pptr + oq, mask=xm, other=0.0).to(ACC_T)
+                    xm, op, oq, ap, aq = _plane_tile(pptr, hoff, rp, rq, sc, sx, x0, xr, pmask, ncols, ACC_T)
                     vp = fa * ap + fpq * aq
                     vq = fa * aq - fqp * ap
                     if SUBTRACT:
@@ -289,8 +316,8 @@ def _plane_kernel(
 
 
 # ---------------------------------------------------------------------- launchers
-def launch_diagonal(site_rows, desc_rows, slots, rtol: torch.Tensor, *, param_dtype, field_dtype,
-                    subtract: bool, block_k: int, block_c: int) -> None:
+def _launch_diagonal(site_rows, desc_rows, slots, rtol: torch.Tensor, *, param_dtype, field_dtype,
+                     subtract: bool, block_k: int, block_c: int) -> None:
     """One program per layer of the diagonal sectors.
 
     Args:
@@ -310,13 +337,13 @@ def launch_diagonal(site_rows, desc_rows, slots, rtol: torch.Tensor, *, param_dt
     )
 
 
-def plane_units(groups: int, n_planes: int, site_index: int) -> list[list[int]]:
+def _plane_units(groups: int, n_planes: int, site_index: int) -> list[list[int]]:
     """Programs of one layer: ``[site, group, first plane]`` per block of :data:`_BLOCK_P` planes."""
     return [[site_index, j, m0] for j in range(groups) for m0 in range(0, n_planes, _BLOCK_P)]
 
 
-def launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rtol: torch.Tensor, *, param_dtype,
-                  field_dtype, subtract: bool, has_twist: bool, max_cols: int) -> torch.Tensor:
+def _launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rtol: torch.Tensor, *, param_dtype,
+                   field_dtype, subtract: bool, has_twist: bool, max_cols: int) -> torch.Tensor:
     """One program per (layer, group, block of planes) of the RoPE-plane ``qk`` sector.
 
     Returns:
@@ -332,3 +359,81 @@ def launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rtol: tor
         BLOCK_P=_BLOCK_P, BLOCK_X=min(triton.next_power_of_2(max_cols), max(1, _TILE_ELEMS // _BLOCK_P)),
     )
     return flags
+
+
+def _geometry(view: torch.Tensor) -> tuple[int, int, int, int]:
+    """(stride_head, stride_chan, stride_col, n_cols) of a ``(heads, width[, cols])`` view."""
+    if view.dim() == 2:
+        return view.stride(0), view.stride(1), 0, 1
+    return view.stride(0), view.stride(1), view.stride(2), view.shape[2]
+
+
+# ---------------------------------------------------------------------- public functions
+def project_diagonal(sites: Sequence[DiagonalSite], *, rtol: float, subtract: bool = False) -> None:
+    """Write the vertical part of each site's field (or ``u − v`` with ``subtract``) into its outputs,
+    every layer in one launch (formula: :class:`~.spec.DiagonalSite`).
+
+    Args:
+        sites: the layers (checked by :func:`~.spec.check_diagonal`).
+        rtol: pseudo-inverse threshold: ``t = 0`` where the denominator is ``≤ rtol ×`` the layer's largest.
+        subtract: write ``u − v`` instead of ``v``.
+    """
+    sites = list(sites)
+    check_diagonal(sites)
+    acc = accumulation_dtype([t for s in sites for t in (s.a, s.b, s.u_a, s.u_b)])
+    site_rows, desc_rows, slots = [], [], []
+    block_k, block_c = 1, 1
+    for s in sites:
+        site_rows.append([len(desc_rows), s.groups, s.repeat_a, s.repeat_b, s.width, s.n_slots, len(slots), 0])
+        slots += list(s.slot)
+        for p, u, o in ((s.a, s.u_a, s.out_a), (s.b, s.u_b, s.out_b)):
+            for t in (p, u, o):
+                desc_rows.append([t.data_ptr(), p.stride(0), p.stride(1), 0])
+        block_k = max(block_k, s.repeat_a, s.repeat_b)
+        block_c = max(block_c, s.width)
+    rt = torch.tensor([rtol], dtype=acc, device=sites[0].a.device)
+    _launch_diagonal(site_rows, desc_rows, slots, rt, param_dtype=sites[0].a.dtype, field_dtype=sites[0].u_a.dtype,
+                     subtract=subtract, block_k=block_k, block_c=block_c)
+
+
+def project_planes(sites: Sequence[PlaneSite], *, rtol: float, subtract: bool = False) -> None:
+    """Write the vertical part of each site's field in its RoPE-plane sector (or ``u − v`` with
+    ``subtract``) into the members' outputs, on the rows of every plane, in one launch.
+
+    Args:
+        sites: the layers (checked by :func:`~.spec.check_planes`).
+        rtol: pseudo-inverse threshold of the 2×2 solves (eigenvalues ``≤ rtol·λ_max`` dropped).
+        subtract: write ``u − v`` instead of ``v``.
+
+    Raises:
+        GaugeError: a twist (row multiplier) has an exact zero — after the launch (the outputs are
+            written; the torch path refuses the same field before writing).
+    """
+    sites = list(sites)
+    check_planes(sites)
+    members = [m for s in sites for m in s.a + s.b]
+    acc = accumulation_dtype([t for m in members for t in (m.param, m.u)])
+    unit_rows, site_rows, desc_rows, twist_rows, planes = [], [], [], [], []
+    max_cols, has_twist = 1, False
+    for si, s in enumerate(sites):
+        site_rows.append([len(desc_rows), len(s.a), len(s.b), s.repeat_a, s.repeat_b, len(s.planes), len(planes), 0])
+        planes += [list(pq) for pq in s.planes]
+        for m in s.a + s.b:
+            sh, sc, sx, ncols = _geometry(m.param)
+            desc_rows.append([m.param.data_ptr(), m.u.data_ptr(), m.out.data_ptr(), sh, sc, sx, ncols, 0])
+            max_cols = max(max_cols, ncols)
+        for tw in (s.twist_a, s.twist_b):
+            if tw is None:
+                twist_rows.append([0, 0, 0])
+            else:
+                twist_rows.append([tw.data_ptr(), tw.stride(0), tw.stride(1)])
+                has_twist = True
+        unit_rows += _plane_units(s.groups, len(s.planes), si)
+    rt = torch.tensor([rtol], dtype=acc, device=members[0].param.device)
+    flags = _launch_planes(unit_rows, site_rows, desc_rows, twist_rows, planes, rt, param_dtype=members[0].param.dtype,
+                           field_dtype=members[0].u.dtype, subtract=subtract, has_twist=has_twist, max_cols=max_cols)
+    if has_twist and bool(flags.any()):  # the one host sync, only with multipliers (as the torch path checks)
+        raise GaugeError(
+            "a Q/K row multiplier has an exact zero; the gauge generators in W̄ coordinates divide by it. "
+            "Re-initialise that multiplier."
+        )

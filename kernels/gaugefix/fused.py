@@ -28,15 +28,16 @@ stored element (the factor is not rounded to a bf16/fp16 parameter's dtype befor
 IEEE-rounded division and square root (``div_rn``/``sqrt_rn``) so that the factors match the
 torch backend to the last bits in float32.
 
-This module knows tensors, not models: :class:`FixTensor`/:class:`FixPair` describe what to
-balance, :func:`prepare` packs the tables once, :meth:`PreparedFix.run` launches. The host side
-(which tensors form a pair, state classification, the report) is
-:mod:`gaugeopt.fix.triton_backend`.
+This module is the kernel and its launcher: :func:`prepare` checks the pairs
+(:func:`~.spec.check_pairs`) and packs the tables once, :meth:`PreparedFix.run` launches. What to
+balance is described in :mod:`.spec`; the same numbers and writes in plain torch, pair by pair,
+are :func:`.naive.fix_naive` (the kernel's reference in the tests). The host side that turns a
+model's plans into pairs (state classification, the report) is :mod:`gaugeopt.fix.triton_backend`.
 
 Example (on CUDA tensors; on CPU only with ``TRITON_INTERPRET=1`` set before this module is
 imported, which is how ``tests/kernels_interpreter_cases.py`` runs it):
     >>> import torch
-    >>> from gaugeopt.kernels.gaugefix_triton import FixPair, FixTensor, prepare
+    >>> from gaugeopt.kernels.gaugefix import FixPair, FixTensor, prepare
     >>> r_q, r_k = torch.full((2, 4), 2.0), torch.full((1, 4), 0.5)   # 2 query heads read 1 KV head
     >>> pair = FixPair([FixTensor(r_q, 0, 0), FixTensor(r_k, 1, 0)], groups=1, width=4, slot=[0, 0, 0, 0],
     ...                n_slots=1, repeat_a=2, repeat_b=1)
@@ -55,10 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FixTensor", "FixPair", "PreparedFix", "prepare", "SUPPORTED_DTYPES", "CHANGED_ULPS"]
+from gaugeopt.kernels.gaugefix.spec import CHANGED_ULPS, FixPair, FixTensor, accumulation_dtype, check_pairs
 
-SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-CHANGED_ULPS = 4  # must equal gaugeopt.fix.balance.CHANGED_ULPS (a test checks it)
+__all__ = ["PreparedFix", "prepare"]
 
 # descriptor table fields (int64): one row per (pair, tensor); parameters first, then states
 _D_ADDR, _D_SIDE, _D_SH, _D_SC, _D_SX, _D_NCOLS, _D_POW = range(7)
@@ -107,6 +107,30 @@ def _desc(desc_tab, d, n_a, n_b):
 def _tile(c, xr, sc, sx, LAYOUT: tl.constexpr):
     """Offsets of a (channel, column) tile; a unit stride is spelled out so the compiler can vectorise."""
     return c[:, None] * (1 if LAYOUT == 2 else sc) + xr[None, :] * (1 if LAYOUT == 1 else sx)
+
+
+@triton.jit
+def _rescale(desc_tab, d, j, n_a, n_b, f_a, f_b, c, cmask, xr, T: tl.constexpr, ACC_T: tl.constexpr,
+             IEEE32: tl.constexpr, LAYOUT: tl.constexpr, STATE: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Pass 2 on one tensor of group ``j``: a parameter times its side's factor, or (``STATE``) an
+    optimizer-state tensor divided by the factor to its power."""
+    addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
+    f = tl.where(side == 0, f_a, f_b)
+    if STATE:
+        f = tl.where(cmask, tl.where(power == 2, f * f, f), 1.0)  # 1 on padding: no 0/0
+    f = f[:, None]
+    base = addr.to(tl.pointer_type(T)) + j * n * sh
+    offs = _tile(c, xr, sc, sx, LAYOUT)
+    for hh in range(0, n):
+        for x0 in range(0, ncols, BLOCK_X):
+            m = cmask[:, None] & ((x0 + xr) < ncols)[None, :]
+            ptr = base + (hh * sh + x0 * sx) + offs
+            v = tl.load(ptr, mask=m, other=0.0).to(ACC_T)
+            if STATE:
+                v = _div(v, f, IEEE32)
+            else:
+                v = v * f
+            tl.store(ptr, v.to(T), mask=m)
 
 
 @triton.jit
@@ -213,86 +237,14 @@ def _gaugefix_kernel(
     fsa = tl.sum(tl.where(onehot, inv_g[None, :], 0.0), axis=1)
     fsb = tl.sum(tl.where(onehot, g[None, :], 0.0), axis=1)
 
-    # ---- pass 2: parameters
+    # ---- pass 2: parameters by gauge·magnitude, then the optimizer state, M ← M / f^k
     for d in range(d0, d1):
-        addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
-        f = tl.where(side == 0, fpa, fpb)[:, None]
-        base = addr.to(tl.pointer_type(PARAM_T)) + j * n * sh
-        offs = _tile(c, xr, sc, sx, LAYOUT)
-        for hh in range(0, n):
-            for x0 in range(0, ncols, BLOCK_X):
-                m = cmask[:, None] & ((x0 + xr) < ncols)[None, :]
-                ptr = base + (hh * sh + x0 * sx) + offs
-                v = tl.load(ptr, mask=m, other=0.0).to(ACC_T)
-                tl.store(ptr, (v * f).to(PARAM_T), mask=m)
-
-    # ---- pass 2: optimizer state, M ← M / f^k
+        _rescale(desc_tab, d, j, n_a, n_b, fpa, fpb, c, cmask, xr, PARAM_T, ACC_T, IEEE32, LAYOUT, False, BLOCK_X)
     for d in range(d1, d2):
-        addr, side, sh, sc, sx, ncols, power, n = _desc(desc_tab, d, n_a, n_b)
-        f = tl.where(side == 0, fsa, fsb)
-        f = tl.where(cmask, tl.where(power == 2, f * f, f), 1.0)[:, None]  # 1 on padding: no 0/0
-        base = addr.to(tl.pointer_type(STATE_T)) + j * n * sh
-        offs = _tile(c, xr, sc, sx, LAYOUT)
-        for hh in range(0, n):
-            for x0 in range(0, ncols, BLOCK_X):
-                m = cmask[:, None] & ((x0 + xr) < ncols)[None, :]
-                ptr = base + (hh * sh + x0 * sx) + offs
-                v = tl.load(ptr, mask=m, other=0.0).to(ACC_T)
-                tl.store(ptr, _div(v, f, IEEE32).to(STATE_T), mask=m)
+        _rescale(desc_tab, d, j, n_a, n_b, fsa, fsb, c, cmask, xr, STATE_T, ACC_T, IEEE32, LAYOUT, True, BLOCK_X)
 
 
-# ---------------------------------------------------------------------- host: what to balance
-@dataclass
-class FixTensor:
-    """One tensor of one side of a pair.
-
-    Attributes:
-        view: ``(heads, width)`` (a multiplier or bias), ``(heads, width, n_cols)`` (rows), or
-            ``(n_cols, heads, width)`` with ``columns=True`` (the O weight); it aliases the storage.
-        side: 0 for side a (divided by ``g``), 1 for side b (multiplied).
-        power: 0 for a parameter; ``k`` for an optimizer-state tensor divided by ``factor**k``.
-        columns: the channels are the last two axes (the O weight).
-    """
-
-    view: torch.Tensor
-    side: int
-    power: int = 0
-    columns: bool = False
-
-    @property
-    def geometry(self) -> tuple[int, int, int, int]:
-        """``(stride_head, stride_chan, stride_col, n_cols)`` of the view."""
-        v = self.view
-        if v.dim() == 2:
-            return v.stride(0), v.stride(1), 0, 1
-        if self.columns:
-            return v.stride(1), v.stride(2), v.stride(0), v.shape[0]
-        return v.stride(0), v.stride(1), v.stride(2), v.shape[2]
-
-
-@dataclass
-class FixPair:
-    """One pair to balance: its tensors (parameters first, then states), ``groups`` independent
-    factors per slot, ``width`` channels, ``slot[c]`` the slot of channel ``c`` and the heads per
-    group on each side (``repeat_a``, ``repeat_b``)."""
-
-    tensors: list[FixTensor]
-    groups: int
-    width: int
-    slot: list[int]
-    n_slots: int
-    repeat_a: int
-    repeat_b: int
-
-    @property
-    def params(self) -> list[FixTensor]:
-        return [t for t in self.tensors if t.power == 0]
-
-    @property
-    def states(self) -> list[FixTensor]:
-        return [t for t in self.tensors if t.power != 0]
-
-
+# ---------------------------------------------------------------------- host: layouts
 def _layouts(sc: int, sx: int, n_cols: int) -> set[int]:
     ok = {_GENERIC}
     if sx == 1 or n_cols == 1:
@@ -419,8 +371,19 @@ def prepare(
     product_max: float | None = None,
 ) -> PreparedFix:
     """Pack the descriptor tables of ``pairs`` (every tensor on one device, one dtype per pair's
-    parameters and one per its states) into one launch per (dtype, layout) group."""
+    parameters and one per its states) into one launch per (dtype, layout) group.
+
+    Args:
+        pairs: what to balance (:class:`~.spec.FixPair`; checked by :func:`~.spec.check_pairs`).
+        eps: added to both scales in the factor ``g = sqrt((s_a + eps)/(s_b + eps))``.
+        product_decay: shrink the scale product ``s_a·s_b`` by ``1 − product_decay`` per fix.
+        product_max: cap the scale product at this value.
+
+    Returns:
+        A :class:`PreparedFix`, valid while no tensor is reallocated.
+    """
     pairs = list(pairs)
+    check_pairs(pairs)
     groups: dict[tuple, list[int]] = defaultdict(list)
     for k, pair in enumerate(pairs):
         sdt = pair.states[0].view.dtype if pair.states else None
@@ -429,7 +392,7 @@ def prepare(
     mag0 = 1.0 if product_decay is None else (1.0 - product_decay) ** 0.5
     prepared = PreparedFix(pairs)
     for (pdt, _, layout), members in groups.items():
-        acc = torch.float64 if pdt == torch.float64 else torch.float32
+        acc = accumulation_dtype(pdt)
         fi = torch.finfo(acc)
         scal = _to_device([eps, mag0, product_max or 0.0, fi.tiny, CHANGED_ULPS * fi.eps], acc, device)
         prepared.launches.append(_pack(members, pairs, layout, scal, product_max is not None))
