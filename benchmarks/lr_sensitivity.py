@@ -19,6 +19,8 @@ condition              what
 ``lrm_B_fix1_pmax``    B with magnitude control ``product_max = 1``: s_Q·s_K capped at its initial value
 ``adamw_clip``         plain model with QK-Clip (τ = 100, Kimi K2's value, α = 0.5) after every step
 ``lrm_B_fix1_clip``    B with QK-Clip before each balance (clip the magnitude, then balance)
+``muon``               plain model, ``torch.optim.Muon`` on the hidden matrices, AdamW on the rest
+``muon_clip``          the same with QK-Clip after every step (Kimi K2's MuonClip)
 =====================  ===================================================================================
 
 Every run: the same seed gives the same initial weights (multipliers start at 1, so LRM starts from the
@@ -34,11 +36,12 @@ while its largest attention logit grows from ~10² to ~10⁷, and diverges at 1 
 Per condition and learning rate: the final validation loss (mean ± std over seeds; a diverged run counts
 as the untrained model's loss ``L0``, as in Wortsman et al.), the largest attention logit seen
 (:func:`gaugeopt.max_attention_logits` on the training batch every 50 steps), and the
-**LR sensitivity** ``E_lr[min(L(lr), L0) − L*]``, the mean excess over the best loss ``L*`` of the
-whole study.
+**LR sensitivity** ``E_lr[min(L(lr), L0) − L*]``, the mean excess over the condition's own best mean
+loss ``L*`` (Wortsman et al.'s definition: it measures how much the loss depends on the rate, not how
+good the best rate is, which the table's ``best`` column shows).
 
 Hardware: 2 CPU cores (one run per core, one thread each), about an hour for the full study
-(7 conditions × 6 rates × 3 seeds × 300 steps of 16×128 characters). Launch (repository root):
+(9 conditions × 6 rates × 3 seeds × 300 steps of 16×128 characters). Launch (repository root):
 
     python benchmarks/lr_sensitivity.py                   # writes benchmarks/results/lr_sensitivity_cpu.{json,csv,md,png}
     python benchmarks/lr_sensitivity.py --quick           # seconds: tiny model, every condition, 2 rates, 1 seed
@@ -75,6 +78,10 @@ CONDITIONS: dict[str, dict] = {
     "lrm_B_fix1_pmax": dict(lrm=True, groups="B", fix_every=1, product_max=True),
     "adamw_clip": dict(lrm=False, clip=True),
     "lrm_B_fix1_clip": dict(lrm=True, groups="B", fix_every=1, clip=True),
+    # Muon (torch.optim.Muon) on the hidden matrices beside AdamW on embeddings, norms and biases; the same
+    # learning-rate grid for both (Muon's step is ~lr per singular direction, AdamW's ~lr per coordinate)
+    "muon": dict(lrm=False, muon=True),
+    "muon_clip": dict(lrm=False, muon=True, clip=True),
 }
 
 FULL = dict(rates=[3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0], seeds=[0, 1, 2], steps=300, batch=16, block=128,
@@ -162,7 +169,15 @@ def run(spec: dict) -> dict:
         named = list(model.named_parameters())
         groups = [{"params": [p for _, p in named if p.dim() >= 2], "weight_decay": 0.1},
                   {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=spec["lr"], betas=(0.9, 0.95))
+    if cond.get("muon"):
+        hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("transformer.w", "lm_head"))]
+        ids = {id(p) for p in hidden}
+        rest = [{**g, "params": [p for p in g["params"] if id(p) not in ids]} for g in groups]
+        opts = [torch.optim.Muon(hidden, lr=spec["lr"], weight_decay=0.1),
+                torch.optim.AdamW([g for g in rest if g["params"]], lr=spec["lr"], betas=(0.9, 0.95))]
+    else:
+        opts = [torch.optim.AdamW(groups, lr=spec["lr"], betas=(0.9, 0.95))]
+    opt = opts[0] if len(opts) == 1 else opts
     hooks = []
     if cond.get("fix_every"):
         hooks.append(FixSteps(every=cond["fix_every"], product_max=cfg["product_max"] if cond.get("product_max") else None)
@@ -175,8 +190,9 @@ def run(spec: dict) -> dict:
     steps = cfg["steps"]
     done = 0
     for step, (x, y) in enumerate(windows(data["train"], steps, cfg["batch"], cfg["block"], g)):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, spec["lr"])
+        for o in opts:
+            for group in o.param_groups:
+                group["lr"] = lr_at(step, steps, spec["lr"])
         if step % 50 == 0 or step == steps - 1:
             m = gaugeopt.max_attention_logits(model, x, sites=sites)
             logits.append((step, max(float(v.max()) for v in m.values())))
@@ -184,8 +200,9 @@ def run(spec: dict) -> dict:
             _, loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
         if clip is not None:
             clipped += int(clip.last_report.heads_over > 0)
         done = step + 1
@@ -211,7 +228,8 @@ def run(spec: dict) -> dict:
 # ---------------------------------------------------------------------- the study
 def summarise(rows: list[dict], loss0: float) -> dict:
     """Per condition and rate: mean/std of the final validation loss (diverged = ``loss0``), divergences,
-    largest logit; per condition the LR sensitivity ``E_lr[min(L, L0) − L*]``."""
+    largest logit; per condition the LR sensitivity ``E_lr[min(L, L0) − L*]`` with ``L*`` the condition's best
+    mean loss over the rates."""
     def capped(r):
         return loss0 if r["diverged"] else min(r["val_loss"], loss0)
 
@@ -231,14 +249,15 @@ def summarise(rows: list[dict], loss0: float) -> dict:
     best = min(v["mean"] for c in per.values() for v in c.values())
     sensitivity = {}
     for cond, by_lr in per.items():
+        own_best = min(v["mean"] for v in by_lr.values())
         seeds = {}
         for r in rows:
             if r["condition"] == cond:
-                seeds.setdefault(r["seed"], []).append(capped(r) - best)
+                seeds.setdefault(r["seed"], []).append(capped(r) - own_best)
         per_seed = [sum(v) / len(v) for v in seeds.values()]
         mean = sum(per_seed) / len(per_seed)
         std = math.sqrt(sum((v - mean) ** 2 for v in per_seed) / max(1, len(per_seed) - 1))
-        sensitivity[cond] = dict(mean=mean, std=std, best=min(v["mean"] for v in by_lr.values()))
+        sensitivity[cond] = dict(mean=mean, std=std, best=own_best)
     return dict(per=per, best=best, loss0=loss0, sensitivity=sensitivity)
 
 
@@ -246,17 +265,17 @@ def markdown(summary: dict, header: str) -> str:
     conds = [c for c in CONDITIONS if c in summary["per"]]
     rates = sorted({lr for c in conds for lr in summary["per"][c]})
     lines = [header, "", "Final validation loss (mean ± std over seeds; diverged runs count as the untrained loss "
-             f"L0 = {summary['loss0']:.3f}; `n/k` = diverged/seeds), and the LR sensitivity E_lr[min(L, L0) − L*] with "
-             f"L* = {summary['best']:.4f} (± std over seeds):", "",
-             "| condition | " + " | ".join(f"lr {lr:g}" for lr in rates) + " | LR sensitivity |",
-             "|---|" + "---|" * (len(rates) + 1)]
+             f"L0 = {summary['loss0']:.3f}; `n/k` = diverged/seeds), the condition's best mean loss L*, and its LR "
+             "sensitivity E_lr[min(L, L0) − L*] (± std over seeds):", "",
+             "| condition | " + " | ".join(f"lr {lr:g}" for lr in rates) + " | best L* | LR sensitivity |",
+             "|---|" + "---|" * (len(rates) + 2)]
     for c in conds:
         cells = []
         for lr in rates:
             v = summary["per"][c].get(lr)
             cells.append("–" if v is None else f"{v['mean']:.4f} ± {v['std']:.4f}" + (f" ({v['diverged']}/{v['n']})" if v["diverged"] else ""))
         s = summary["sensitivity"][c]
-        lines.append(f"| {c} | " + " | ".join(cells) + f" | {s['mean']:.4f} ± {s['std']:.4f} |")
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {s['best']:.4f} | {s['mean']:.4f} ± {s['std']:.4f} |")
     lines += ["", "Largest attention logit seen in training (max over the seeds that did not diverge and the sampled "
               "steps, every 50th, before that step's clip; `div.`: every seed diverged):", "",
               "| condition | " + " | ".join(f"lr {lr:g}" for lr in rates) + " |", "|---|" + "---|" * len(rates)]
