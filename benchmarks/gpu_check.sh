@@ -62,7 +62,7 @@ fi
 
 # ---------------------------------------------------------------- 2. CUDA tests (incl. bf16/fp16)
 t0=$SECONDS
-timeout "$TEST_TIMEOUT" $PY -m pytest tests/test_kernels_gpu.py tests/test_kernels_dispatch.py -q -rA \
+timeout "$TEST_TIMEOUT" $PY -m pytest tests/kernels/test_kernels_gpu.py tests/kernels/test_kernels_dispatch.py -q -rA \
   -p no:cacheprovider --tb=short >> "$OUT/gpu_tests.log" 2>&1
 rc=$?
 status tests "$(tail -n 1 "$OUT/gpu_tests.log")" $rc $((SECONDS - t0))

@@ -48,7 +48,7 @@ Results: ``benchmarks/results/speed_<machine>.md`` and ``.json``, the table also
 Run:
     python benchmarks/speed.py                 # CPU, one thread (see --threads), ~4 min on 2 cores
     python benchmarks/speed.py --device cuda   # one GPU, every layer, < 8 min (benchmarks/gpu_check.sh)
-    python benchmarks/speed.py --smoke         # tiny shapes, seconds (tests/test_benchmarks.py)
+    python benchmarks/speed.py --smoke         # tiny shapes, seconds (tests/project/test_benchmarks.py)
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ SwiGLU 8192, vocabulary 128256; float32, random weights — the proof does not l
 
 Run:
     python benchmarks/trust_cost.py            # both models, a few minutes on 2 cores, ~12 GB
-    python benchmarks/trust_cost.py --quick    # tiny models, seconds (tests/test_benchmarks.py)
+    python benchmarks/trust_cost.py --quick    # tiny models, seconds (tests/project/test_benchmarks.py)
     python benchmarks/trust_cost.py --device cuda   # on one GPU (benchmarks/gpu_check.sh)
 
 Results: ``benchmarks/results/trust_cost_<machine>.md`` (and the table printed).

@@ -1,10 +1,15 @@
+"""The suite's set-up: tests are grouped by the package they test (``structure/``, ``fix/``,
+``projection/``, ``kernels/``, ``tools/``, ``integrations/``), the repository-wide checks in ``project/``
+and the recipes' in ``recipes/``; what several of them share — the model zoo (``support/zoo``), the
+reference constructions and the helpers — is in ``support/``, importable by module name."""
+
 import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/zoo.py and friends
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))  # zoo, the *_helpers, the references
 
 
 @pytest.fixture(autouse=True)

@@ -132,7 +132,7 @@ __all__ = ["SECTORS", "OPT_IN", "MODES", "check_mode", "GaugeProjector", "Decomp
 SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias", "qk_rope")
 # Sectors "auto" leaves out and "all" includes: the value-bias trade couples V/O to the output bias,
 # and projecting {vo, value_bias} jointly costs ~10 CG iterations of the vo sector (~9x the head gauges
-# on a GPT-2 layer) for ~3% of an AdamW update's norm (tests/test_bias_sectors.py measures both).
+# on a GPT-2 layer) for ~3% of an AdamW update's norm (tests/structure/test_bias_sectors.py measures both).
 OPT_IN = ("value_bias",)
 MODES = ("exact", "approx", "paper000")
 

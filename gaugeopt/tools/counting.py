@@ -44,7 +44,7 @@ over the query and key–value latents, and the stream of a dense model (routed 
     post-norms and no rotations; a QK-norm layer counts its gain gauge instead of ``qk`` (below). The
     derivations are in :mod:`gaugeopt.structure.stream_sectors` and docs/qk_norm.md. It equals the
     measured nullity on generic weights, with the logits as the output and inputs that use every token
-    and position (``tests/test_flat.py``). GPT-2 small: 1,346,584 — of paper 003's 293,761 rotations
+    and position (``tests/tools/test_flat.py``). GPT-2 small: 1,346,584 — of paper 003's 293,761 rotations
     none is a symmetry of the tied model; Qwen3-0.6B: 3,815,168.
 
     *Logits, not log-probabilities.* The cross-entropy's Gauss–Newton (Fisher) metric has the null

@@ -5,7 +5,7 @@
 * :mod:`.fused` — the ``@triton.jit`` kernel and its launcher: :func:`prepare` packs the
   descriptor tables once, ``PreparedFix.run()`` launches (one launch per dtype group);
 * :mod:`.naive` — :func:`fix_naive`, the same numbers and writes in plain torch, pair by pair:
-  the reference the kernel is tested against (``tests/kernels_interpreter_cases.py``).
+  the reference the kernel is tested against (``tests/kernels/kernels_interpreter_cases.py``).
 
 The formula is in :mod:`.naive`'s docstring. The model-level host — plans into pairs, the state
 rules, the report, the choice of backend — is :mod:`gaugeopt.fix` (``triton_backend`` builds the

@@ -35,7 +35,7 @@ are :func:`.naive.fix_naive` (the kernel's reference in the tests). The host sid
 model's plans into pairs (state classification, the report) is :mod:`gaugeopt.fix.triton_backend`.
 
 Example (on CUDA tensors; on CPU only with ``TRITON_INTERPRET=1`` set before this module is
-imported, which is how ``tests/kernels_interpreter_cases.py`` runs it):
+imported, which is how ``tests/kernels/kernels_interpreter_cases.py`` runs it):
     >>> import torch
     >>> from gaugeopt.kernels.gaugefix import FixPair, FixTensor, prepare
     >>> r_q, r_k = torch.full((2, 4), 2.0), torch.full((1, 4), 0.5)   # 2 query heads read 1 KV head

@@ -35,7 +35,7 @@ a model's attention sites as :class:`~.spec.DiagonalSite` / :class:`~.spec.Plane
 :mod:`gaugeopt.projection.triton_backend`.
 
 Example (on CUDA tensors; on CPU only with ``TRITON_INTERPRET=1`` set before this module is
-imported, which is how ``tests/kernels_interpreter_cases.py`` runs it):
+imported, which is how ``tests/kernels/kernels_interpreter_cases.py`` runs it):
     >>> import torch
     >>> from gaugeopt.kernels.projection import DiagonalSite, project_diagonal
     >>> r_q, r_k = torch.ones(1, 2), torch.ones(1, 2)                  # one head, two channels
