@@ -48,33 +48,6 @@ class PairRecord:
     floor: float = 0.0  # relative precision of the stored tensors (eps of their dtype)
 
     @property
-    def nonfinite_groups(self) -> int:
-        """Groups (of every gauge) with a slot left alone because its scale was not finite (one host sync)."""
-        flags = [p.skipped.sum() for p in self.pairs if p.skipped is not None]
-        return int(torch.stack(flags).sum()) if flags else 0
-
-    @property
-    def rounding_floor(self) -> float:
-        """The largest :attr:`PairRecord.floor`: no fix can bring a drift below about this."""
-        return max((p.floor for p in self.pairs), default=0.0)
-
-    @property
-    def limited_by_rounding(self) -> bool:
-        """Whether the Q/K drift left is at the stored dtype's rounding (a few :attr:`rounding_floor`)."""
-        return self.max_drift_after <= 8 * self.rounding_floor
-
-    def warn_nonfinite(self) -> None:
-        """Warn when slots were left alone for a non-finite scale (reads the flags: one host sync)."""
-        n = self.nonfinite_groups
-        if n:
-            bad = sorted({p.name for p in self.pairs if p.skipped is not None and bool(p.skipped.any())})
-            warnings.warn(
-                f"gauge_fix: {n} group(s) in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} have a NaN or "
-                "infinite weight; their slots were left alone (nothing spread to the rest of the head). "
-                "report.nonfinite_groups counts them", RuntimeWarning, stacklevel=3,
-            )
-
-    @property
     def heads_fixed(self) -> int:
         return int(self.changed.sum()) * self.heads_per_group
 
