@@ -107,11 +107,10 @@ class _StepCounter(StepCounter, Callback):
 class GaugeFix(FixSteps, _StepCounter):
     """Apply GaugeFix-LRM (:func:`gaugeopt.gauge_fix`) after every ``every``-th optimizer step.
 
-    Arguments as :class:`gaugeopt.integrations.steps.FixSteps` (``every=100``, ``granularity``,
-    ``transport_state``, ``vo``, ``mode``, ``unknown_state``, ``product_decay``/``product_max``,
+    Arguments as :class:`gaugeopt.integrations.steps.FixSteps`: ``every=100``, the fix's options
+    (keyword arguments, or ``options=FixOptions(...)``: :class:`gaugeopt.fix.options.FixOptions`),
     ``sites`` — default ``find_attention(pl_module)`` at ``setup`` —, ``log_per_layer``, ``prefix``,
-    ``certify``);
-    ``granularity="channel"`` on a RoPE model is refused at ``setup``.
+    ``certify``; ``granularity="channel"`` on a RoPE model is refused at ``setup``.
 
     Logged (at the batch of each fix): ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
     ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}fixes`` (and ``vo_*`` with ``vo=True``).
@@ -124,8 +123,7 @@ class GaugeFix(FixSteps, _StepCounter):
 
     def apply(self, pl_module: pl.LightningModule | torch.nn.Module, optimizer=None):
         """Run one fix now (for manual loops); returns the :class:`~gaugeopt.fix.gaugefix.GaugeFixReport`."""
-        return GaugeFixer(pl_module, optimizer if self.options["transport_state"] else None, sites=self.sites or None,
-                          **self.options)()
+        return GaugeFixer(pl_module, optimizer, sites=self.sites or None, options=self.options)()
 
 
 class GaugeMonitor(_StepCounter):

@@ -89,6 +89,7 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
+from gaugeopt.fix.options import FixOptions, resolve_options
 from gaugeopt.projection.projector import MODES, GaugeProjector, check_mode
 from gaugeopt.projection.step import remove_vertical_grad_, remove_vertical_update_, snapshot, vertical_fraction_of
 
@@ -145,7 +146,9 @@ class GaugeProjected(torch.optim.Optimizer):
             after every this many steps.
         sectors: ``"auto"`` or a subset of :data:`gaugeopt.projection.projector.SECTORS`.
         sites: attention sites to project (default all).
-        fix_kwargs: extra keyword arguments for ``gauge_fix``.
+        fix_kwargs: the fix's options — a :class:`~gaugeopt.fix.options.FixOptions`, or a dict of
+            its fields (``{"vo": True}``; also ``"options"``, ``"sites"``, ``"check_first_step"`` of
+            :class:`~gaugeopt.fix.gaugefix.GaugeFixer`) —, validated here.
         **projector_kwargs: ``rtol``, ``dtype``, ``cg_tol``, ``joint_tol``, ... for
             :class:`~gaugeopt.projection.projector.GaugeProjector`.
 
@@ -176,7 +179,7 @@ class GaugeProjected(torch.optim.Optimizer):
         *,
         sectors: str | Sequence[str] = "auto",
         sites=None,
-        fix_kwargs: dict | None = None,
+        fix_kwargs: FixOptions | dict | None = None,
         **projector_kwargs: Any,
     ) -> None:
         inner = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
@@ -226,7 +229,8 @@ class GaugeProjected(torch.optim.Optimizer):
         self._merged = _MergedState(inner) if len(inner) > 1 else None
         self.model = model
         self.project, self.mode, self.fix_every = project, mode, fix_every
-        self.sectors, self.sites, self.fix_kwargs = sectors, sites, dict(fix_kwargs or {})
+        self.sectors, self.sites = sectors, sites
+        self.fix_kwargs = {"options": fix_kwargs} if isinstance(fix_kwargs, FixOptions) else dict(fix_kwargs or {})
         self.projector_kwargs = projector_kwargs
         self._steps = 0
         self._fixes = 0
@@ -239,6 +243,8 @@ class GaugeProjected(torch.optim.Optimizer):
             self._check_coverage()
         if fix_every is not None:
             self._fixer = self._make_fixer()  # plans the fix, checks its options and the optimizer now, not at step N
+        else:
+            _ = self.fix_options  # checked now, not at the first fix()
 
     # ------------------------------------------------------------------ torch.optim.Optimizer plumbing
     # The inner optimizer holds param_groups, state and defaults; the wrapper delegates to it. The
@@ -366,6 +372,12 @@ class GaugeProjected(torch.optim.Optimizer):
     def last_vertical_fraction(self) -> float:
         """``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient) over the gauge parameters."""
         return math.nan if self._last is None else vertical_fraction_of(self._last)
+
+    @property
+    def fix_options(self) -> FixOptions:
+        """The options :meth:`fix` runs with (from ``fix_kwargs``)."""
+        given = {k: v for k, v in self.fix_kwargs.items() if k not in ("options", "sites", "check_first_step")}
+        return resolve_options(self.fix_kwargs.get("options"), given, "GaugeProjected: fix_kwargs")
 
     def _make_fixer(self) -> GaugeFixer:
         kwargs = dict(self.fix_kwargs)

@@ -54,7 +54,8 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
-from gaugeopt.fix.plan import check_choice, check_fix_options, plan_pairs
+from gaugeopt.fix.options import FixOptions, check_choice, resolve_options
+from gaugeopt.fix.plan import plan_pairs
 from gaugeopt.fix.transport import inner_optimizer, wrapped_chain
 from gaugeopt.structure.certificate import CertificateReport
 from gaugeopt.structure.gate import Gate
@@ -319,19 +320,20 @@ class FixSteps(StepCounter):
     Args:
         every: fix after optimizer steps ``every, 2·every, ...`` (paper 002: 1, 10, 100, 1000;
             100 gave the best validation loss).
-        granularity: ``"auto"`` (per RoPE plane under RoPE, per head otherwise), ``"head"``,
-            ``"channel"`` (refused under RoPE, at :meth:`bind`) or ``"plane"``.
-        transport_state: transport Adam/SGD state with the rescale (``False``: paper 002's setting).
-        vo, vo_granularity: also balance V/O.
-        mode: ``"auto"``, ``"lrm"`` or ``"plain"`` (see :func:`gaugeopt.gauge_fix`).
-        unknown_state: policy for optimizers without a state rule: ``"error"``, ``"reset"``, ``"leave"``.
-        product_decay, product_max: magnitude control of ``s_Q·s_K`` (changes the function on purpose).
+        granularity: the one fix option that may be given by position.
+        options: a :class:`~gaugeopt.fix.options.FixOptions`; keyword arguments replace its fields.
         sites: attention sites (default: ``find_attention(model)`` at :meth:`bind`).
         log_per_layer: also report per-layer drift and scale product.
         prefix: metric name prefix.
         certify: as :class:`StepCounter`.
+        **fix_options: any field of :class:`~gaugeopt.fix.options.FixOptions` (``granularity``,
+            ``transport_state``, ``vo``, ``vo_granularity``, ``mode``, ``unknown_state``,
+            ``product_decay``, ``product_max``, ``eps``, ``backend``, ``rescale_frozen``), validated
+            here; the refusals that depend on the model (``granularity="channel"`` under RoPE,
+            ``mode="lrm"`` without multipliers) at :meth:`bind`.
 
-    Metrics of each fix: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
+    The options are :attr:`options` (a :class:`~gaugeopt.fix.options.FixOptions`, also readable as
+    ``options["vo"]``). Metrics of each fix: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
     ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}heads_fixed``, ``{prefix}fixes``, ...
     (:meth:`~gaugeopt.fix.report.GaugeFixReport.as_dict`).
     """
@@ -339,55 +341,43 @@ class FixSteps(StepCounter):
     def __init__(
         self,
         every: int = 100,
-        granularity: str = "auto",
+        granularity: str | None = None,
         *,
-        transport_state: bool = True,
-        vo: bool = False,
-        vo_granularity: str = "head",
-        mode: str = "auto",
-        unknown_state: str = "error",
-        product_decay: float | None = None,
-        product_max: float | None = None,
+        options: FixOptions | None = None,
         sites: Sequence[AttentionSite] | None = None,
         log_per_layer: bool = False,
         prefix: str = "gauge/",
         certify: bool = True,
+        **fix_options: Any,
     ) -> None:
         super().__init__(every, sites, prefix, certify)
-        check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
-                          product_decay=product_decay, product_max=product_max)
-        self.options = dict(
-            granularity=granularity, transport_state=transport_state, vo=vo, vo_granularity=vo_granularity,
-            mode=mode, unknown_state=unknown_state, product_decay=product_decay, product_max=product_max,
-        )
+        self.options = resolve_options(options, fix_options, type(self).__name__, granularity=granularity)
         self.log_per_layer = log_per_layer
         self.fixes = 0
         self.last_report = None
         self._fixer: GaugeFixer | None = None
 
+    def _new_fixer(self, optimizers) -> GaugeFixer:
+        """A :class:`~gaugeopt.fix.gaugefix.GaugeFixer` over the bound sites and ``optimizers``
+        (planned once, kernel tables reused; the state is classified by :meth:`_end_round`)."""
+        return GaugeFixer(self._module, optimizers, sites=self.sites, options=self.options, check_first_step=False)
+
     def _validate(self, sites: list[AttentionSite]) -> None:
-        opts = self.options
-        plan_pairs(sites, kinds=("qk", "vo") if opts["vo"] else ("qk",), granularity=opts["granularity"],
-                   vo_granularity=opts["vo_granularity"], mode=opts["mode"])  # the refusals, now
-        self._fixer = None  # bound to (new) sites: built again when the optimizers are attached
-        if self._optimizers:  # records changed after attaching (model surgery): plan the fixer again now
-            want = self._optimizers if self.options["transport_state"] else None
-            self._fixer = GaugeFixer(self._module, want, sites=sites, check_first_step=False, **self.options)
+        plan_pairs(sites, self.options)  # the refusals, now
+        # bound to (new) sites: built again now when optimizers are attached (model surgery), else at attach
+        self._fixer = self._new_fixer(self._optimizers) if self._optimizers else None
 
     def attach(self, optimizer) -> None:
         """Hook the owners' steps and build the fixer over them now, so that their state is
         classified at set-up (or right after their first step), not at step ``every``."""
         super().attach(optimizer)
-        want = self._optimizers if self.options["transport_state"] else None
-        self._fixer = GaugeFixer(self._module, want, sites=self.sites, check_first_step=False, **self.options)
+        self._fixer = self._new_fixer(self._optimizers)
         self._state_checked = False
 
     def _fixer_for(self, optimizer) -> GaugeFixer:
-        """The :class:`~gaugeopt.fix.gaugefix.GaugeFixer` over the attached optimizers: planned once,
-        kernel tables reused."""
+        """The fixer over the attached optimizers (``optimizer`` when none was attached)."""
         if self._fixer is None:
-            want = (self._optimizers or [optimizer]) if self.options["transport_state"] else None
-            self._fixer = GaugeFixer(self._module, want, sites=self.sites, check_first_step=False, **self.options)
+            self._fixer = self._new_fixer(self._optimizers or [optimizer])
         return self._fixer
 
     def _end_round(self, optimizer) -> None:
