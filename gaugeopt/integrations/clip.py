@@ -47,7 +47,8 @@ import torch
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.qk_clip import QKClipReport, clip_sites
-from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES, wrapped_chain
+from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES
+from gaugeopt.fix.unwrap import wrapped_chain
 from gaugeopt.integrations.steps import StepCounter
 from gaugeopt.structure.logits import LogitTracker
 from gaugeopt.structure.site import AttentionSite
@@ -126,14 +127,13 @@ class ClipSteps(StepCounter):
     def check_conflicts(self, optimizers) -> None:
         """Refuse a :class:`gaugeopt.GaugeProjected` with ``fix_every``: it balances inside its own step,
         before this clip could run (the order must be clip, then balance)."""
-        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            for o in wrapped_chain(opt):
-                if getattr(o, "fix_every", None):
-                    raise GaugeError(
-                        f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every}, which balances the gauge "
-                        f"inside its step, before {type(self).__name__} could clip; clip first and balance after: use "
-                        "fix_every=None and the GaugeFix callback (or FixSteps) beside this one"
-                    )
+        for o in wrapped_chain(optimizers):
+            if getattr(o, "fix_every", None):
+                raise GaugeError(
+                    f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every}, which balances the gauge "
+                    f"inside its step, before {type(self).__name__} could clip; clip first and balance after: use "
+                    "fix_every=None and the GaugeFix callback (or FixSteps) beside this one"
+                )
 
     # -- the action ------------------------------------------------------------------------
     def _act(self, optimizer) -> dict[str, float]:

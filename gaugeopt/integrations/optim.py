@@ -168,6 +168,7 @@ class GaugeProjected(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = False  # GradScaler unscales and skips inf steps for us
+    steps_as_one_round = True  # its step is one whole round of the inner optimizers: hooks watch it (fix.unwrap)
 
     def __init__(
         self,

@@ -4,9 +4,10 @@ The Lightning callbacks (:mod:`gaugeopt.integrations.lightning`), the Hugging Fa
 callbacks (:mod:`gaugeopt.integrations.transformers`) and loops written by hand (torchtitan,
 ``docs/integrations.md``) all do the same four things, implemented here once:
 
-* **which optimizers** — :func:`owning_optimizers`: the optimizers that step the parameters an
-  action touches (Muon for the matrices beside AdamW for the multipliers and biases: both).
-  Wrappers whose ``step()`` runs even when nothing is stepped are looked through (Accelerate's
+* **which optimizers** — :func:`~gaugeopt.fix.unwrap.owning_optimizers`: the optimizers that step
+  the parameters an action touches (Muon for the matrices beside AdamW for the multipliers and
+  biases: both), found by the one walk through the wrappers (:mod:`gaugeopt.fix.unwrap`): wrappers
+  whose ``step()`` runs even when nothing is stepped are looked through (Accelerate's
   ``AcceleratedOptimizer`` reports ``step_was_skipped``; the optimizer it wraps is watched), and so
   are containers of optimizers (torchtitan's ``OptimizersContainer.optimizers``); a
   :class:`gaugeopt.GaugeProjected` is watched itself (its step is a whole projected round).
@@ -47,7 +48,7 @@ Example:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
@@ -56,7 +57,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.options import FixOptions, check_choice, resolve_options
 from gaugeopt.fix.plan import plan_pairs
-from gaugeopt.fix.transport import inner_optimizer, wrapped_chain
+from gaugeopt.fix.unwrap import owning_optimizer, owning_optimizers, wrapped_chain
 from gaugeopt.structure.certificate import CertificateReport
 from gaugeopt.structure.gate import Gate
 from gaugeopt.structure.site import AttentionSite
@@ -69,70 +70,6 @@ def check_every(every: Any, name: str = "every") -> int:
     if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
         raise GaugeError(f"{name}={every!r} must be a positive integer number of optimizer steps")
     return every
-
-
-def _watched(optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizers whose ``step`` runs exactly when a step is taken, behind ``optimizer``."""
-    from gaugeopt.integrations.optim import GaugeProjected
-
-    for _ in range(9):
-        if isinstance(optimizer, GaugeProjected):
-            return [optimizer]  # its step is a whole (projected, fixed) round of the optimizers it wraps
-        if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "step_was_skipped"):
-            parts = getattr(optimizer, "optimizers", None)
-            if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
-                return [w for part in parts for w in _watched(part)]
-            return [optimizer]
-        inner = inner_optimizer(optimizer)
-        if inner is None:
-            break
-        optimizer = inner
-    raise GaugeError(
-        f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none (looked for "
-        ".optimizer and ._optimizer); pass the optimizer that steps the attention parameters"
-    )
-
-
-def owning_optimizers(optimizers, params: Iterable[torch.Tensor], who: str) -> list[torch.optim.Optimizer]:
-    """The optimizers among ``optimizers`` (one or a sequence) that step any of ``params``, as the
-    objects to hook (see :func:`_watched`), in order. None is a :class:`GaugeError`, and so is a
-    tensor stepped by two (it would be updated twice per iteration)."""
-    candidates = [optimizers] if not isinstance(optimizers, (list, tuple)) else list(optimizers)
-    wanted = {id(p) for p in params}
-    owners: list[torch.optim.Optimizer] = []
-    seen: dict[int, torch.optim.Optimizer] = {}
-    for opt in (w for c in candidates for w in _watched(c)):
-        if any(opt is o for o in owners):
-            continue
-        mine = wanted & {id(p) for g in opt.param_groups for p in g["params"]}
-        if not mine:
-            continue
-        for pid in mine:
-            if pid in seen:
-                raise GaugeError(
-                    f"{who}: a parameter of the attention is stepped by two optimizers ({type(seen[pid]).__name__} and "
-                    f"{type(opt).__name__}): it would be updated twice per iteration. Put each tensor in one optimizer"
-                )
-            seen[pid] = opt
-        owners.append(opt)
-    if not owners:
-        raise GaugeError(
-            f"{who}: no optimizer of this run updates the attention parameters it watches ({len(wanted)} tensors); "
-            "pass the optimizer(s) that train the model (their param_groups must hold the Q/K/V/O tensors)"
-        )
-    return owners
-
-
-def owning_optimizer(optimizers, params: Iterable[torch.Tensor], who: str) -> torch.optim.Optimizer:
-    """The one optimizer among ``optimizers`` that steps ``params`` (:func:`owning_optimizers` when
-    several may)."""
-    owners = owning_optimizers(optimizers, params, who)
-    if len(owners) > 1:
-        raise GaugeError(
-            f"{who}: the attention parameters are split over {len(owners)} optimizers; this needs the one that steps "
-            "them all (owning_optimizers and StepCounter.watch take several)"
-        )
-    return owners[0]
 
 
 # optimizer -> the counters attached to it, so that their hooks run in a fixed order (below)
@@ -389,13 +326,12 @@ class FixSteps(StepCounter):
 
     def check_conflicts(self, optimizers) -> None:
         """A :class:`gaugeopt.GaugeProjected` with ``fix_every`` already fixes: refuse fixing twice."""
-        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            for o in wrapped_chain(opt):
-                if getattr(o, "fix_every", None):
-                    raise GaugeError(
-                        f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every} and {type(self).__name__} is "
-                        "also active: the model would be fixed twice. Use one of them (fix_every=None, or drop the callback)"
-                    )
+        for o in wrapped_chain(optimizers):
+            if getattr(o, "fix_every", None):
+                raise GaugeError(
+                    f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every} and {type(self).__name__} is "
+                    "also active: the model would be fixed twice. Use one of them (fix_every=None, or drop the callback)"
+                )
 
     def _act(self, optimizer) -> dict[str, float]:
         report = self._fixer_for(optimizer)()
@@ -480,20 +416,19 @@ class ProjectSteps(StepCounter):
         projection of that step would take them for vertical motion and undo them."""
         from gaugeopt.integrations.optim import GaugeProjected
 
-        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            for o in wrapped_chain(opt):
-                if isinstance(o, GaugeProjected) and o.project is not None:
-                    raise GaugeError(
-                        f"the optimizer is a GaugeProjected(project={o.project!r}) and {type(self).__name__} is also "
-                        "active: every step would be projected twice. Use one of them"
-                    )
-                if isinstance(o, GaugeProjected) and o.fix_every:
-                    raise GaugeError(
-                        f"the optimizer is a GaugeProjected(project=None, fix_every={o.fix_every}) and "
-                        f"{type(self).__name__} is also active: projecting its step would undo the fixes made inside "
-                        f"it. Use GaugeProjected(optimizer, model, project='update', fix_every={o.fix_every}) alone, "
-                        "or the plain optimizer with both callbacks"
-                    )
+        for o in wrapped_chain(optimizers):
+            if isinstance(o, GaugeProjected) and o.project is not None:
+                raise GaugeError(
+                    f"the optimizer is a GaugeProjected(project={o.project!r}) and {type(self).__name__} is also "
+                    "active: every step would be projected twice. Use one of them"
+                )
+            if isinstance(o, GaugeProjected) and o.fix_every:
+                raise GaugeError(
+                    f"the optimizer is a GaugeProjected(project=None, fix_every={o.fix_every}) and "
+                    f"{type(self).__name__} is also active: projecting its step would undo the fixes made inside "
+                    f"it. Use GaugeProjected(optimizer, model, project='update', fix_every={o.fix_every}) alone, "
+                    "or the plain optimizer with both callbacks"
+                )
 
     def project_grads(self) -> None:
         """``g ← g − Π_vert(g)`` for the gauge parameters' gradients, now."""
