@@ -112,7 +112,7 @@ class ClipSteps(StepCounter):
         self._tracker = LogitTracker(self.sites, active=self._measuring, grad_only=True)
 
     def _measuring(self) -> bool:
-        return self.should_run(self.optimizer_steps + 1)
+        return self.runs_next()
 
     def _close_tracker(self) -> None:
         if self._tracker is not None:

@@ -166,7 +166,7 @@ class GaugeMonitor(_StepCounter):
         return self._projector
 
     def _begin_round(self, optimizer, args, kwargs) -> None:
-        if self.measure_vertical and self.should_run(self.optimizer_steps + 1):
+        if self.measure_vertical and self.runs_next():
             from gaugeopt.projection.step import snapshot
 
             self._snapshot = snapshot(self._projector_for_updates(), self._module)
@@ -219,7 +219,7 @@ class GaugeProjection(ProjectSteps, _StepCounter):
         # step pre-hooks; this hook runs once the gradients exist (accumulated, AMP-unscaled),
         # before clipping and the step.
         super().on_before_optimizer_step(trainer, pl_module, optimizer)  # the certificate first
-        if self.target == "grad" and not self._round and any(optimizer is o for o in self._optimizers):
+        if self.target == "grad" and self.schedule.opening and any(optimizer is o for o in self._optimizers):
             self.project_grads()  # the round's first step: every owner's gradients are final
 
 

@@ -90,6 +90,7 @@ import torch.nn as nn
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.options import FixOptions, resolve_options
+from gaugeopt.integrations.schedule import Schedule, check_every
 from gaugeopt.projection.projector import MODES, GaugeProjector, check_mode
 from gaugeopt.projection.step import remove_vertical_grad_, remove_vertical_update_, snapshot, vertical_fraction_of
 
@@ -216,8 +217,7 @@ class GaugeProjected(torch.optim.Optimizer):
                     "pass project='update'"
                 )
         check_mode(mode, "GaugeProjected")
-        if fix_every is not None and (isinstance(fix_every, bool) or not isinstance(fix_every, int) or fix_every < 1):
-            raise GaugeError(f"GaugeProjected: fix_every={fix_every!r} must be a positive integer or None")
+        schedule = Schedule(fix_every, name="fix_every", optional=True, who="GaugeProjected")  # the steps counted
         if project == "grad" and any(isinstance(o, torch.optim.LBFGS) for o in inner):
             raise GaugeError(
                 "GaugeProjected: project='grad' evaluates the closure once, but LBFGS re-evaluates it; use project='update'"
@@ -229,11 +229,10 @@ class GaugeProjected(torch.optim.Optimizer):
         self.__dict__["optimizer"] = inner[0] if len(inner) == 1 else None  # one inner optimizer: as before
         self._merged = _MergedState(inner) if len(inner) > 1 else None
         self.model = model
-        self.project, self.mode, self.fix_every = project, mode, fix_every
+        self.project, self.mode, self._schedule = project, mode, schedule
         self.sectors, self.sites = sectors, sites
         self.fix_kwargs = {"options": fix_kwargs} if isinstance(fix_kwargs, FixOptions) else dict(fix_kwargs or {})
         self.projector_kwargs = projector_kwargs
-        self._steps = 0
         self._fixes = 0
         self.nonfinite_steps = 0
         self._last = None
@@ -362,10 +361,10 @@ class GaugeProjected(torch.optim.Optimizer):
             self._last = remove_vertical_grad_(self.projector, self.model)
             self.nonfinite_steps += self._last is None
             self._inner_step(None, kwargs)
-        self._steps += 1
-        if self._steps == 1 and self._fixer is not None:
+        self._schedule.stepped()  # one call, one round: every inner optimizer stepped
+        if self._schedule.steps == 1 and self._fixer is not None:
             self._fixer.check_state()  # the state the first step created: an unknown key is refused now
-        if self.fix_every is not None and self._steps % self.fix_every == 0:
+        if self._schedule.due():
             self.fix()
         return loss
 
@@ -373,6 +372,15 @@ class GaugeProjected(torch.optim.Optimizer):
     def last_vertical_fraction(self) -> float:
         """``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient) over the gauge parameters."""
         return math.nan if self._last is None else vertical_fraction_of(self._last)
+
+    @property
+    def fix_every(self) -> int | None:
+        """GaugeFix runs after every this many steps (``None``: never)."""
+        return self._schedule.every
+
+    @fix_every.setter
+    def fix_every(self, value: int | None) -> None:
+        self._schedule.every = check_every(value, "fix_every", optional=True, who="GaugeProjected")
 
     @property
     def fix_options(self) -> FixOptions:
@@ -406,7 +414,7 @@ class GaugeProjected(torch.optim.Optimizer):
         sectors = self.sectors if isinstance(self.sectors, str) else list(self.sectors)
         return {
             "version": 1,
-            "step": self._steps,
+            "step": self._schedule.steps,
             "fixes": self._fixes,
             "nonfinite_steps": self.nonfinite_steps,
             "project": self.project,
@@ -457,7 +465,7 @@ class GaugeProjected(torch.optim.Optimizer):
         if own is not None:
             if own.get("project") not in _PROJECT or own.get("mode") not in MODES:
                 raise GaugeError(f"GaugeProjected.load_state_dict: unreadable options in {_STATE_KEY!r}: {own}")
-            self._steps, self._fixes = int(own["step"]), int(own["fixes"])
+            self._schedule.steps, self._fixes = int(own["step"]), int(own["fixes"])
             self.nonfinite_steps = int(own.get("nonfinite_steps", 0))
             mine = self._own_state()
             differ = [f"{k}: checkpoint {own[k]!r}, constructor {mine[k]!r}"
@@ -469,7 +477,7 @@ class GaugeProjected(torch.optim.Optimizer):
                     RuntimeWarning, stacklevel=2,
                 )
         else:
-            self._steps = self._fixes = self.nonfinite_steps = 0
+            self._schedule.steps = self._fixes = self.nonfinite_steps = 0
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -486,7 +494,7 @@ class GaugeProjected(torch.optim.Optimizer):
             "sites": self.sites,
             "fix_kwargs": self.fix_kwargs,
             "projector_kwargs": self.projector_kwargs,
-            "_steps": self._steps,
+            "_steps": self._schedule.steps,
             "_fixes": self._fixes,
             "nonfinite_steps": self.nonfinite_steps,
             "_last": self._last,
@@ -497,6 +505,8 @@ class GaugeProjected(torch.optim.Optimizer):
         if "optimizers" not in state:  # pickled by a version that wrapped one optimizer only
             state["optimizers"], state["_merged"] = [state["optimizer"]], None
         self.__dict__.update({k: state[k] for k in ("optimizers", "optimizer", "_merged")})
+        self.__dict__["_schedule"] = Schedule(state.pop("fix_every"), name="fix_every", optional=True)
+        self._schedule.steps = state.pop("_steps")
         torch.optim.Optimizer.__setstate__(self, state)  # restores hooks and the step patch
         self._projector = None
         self._fixer = None
@@ -506,7 +516,7 @@ class GaugeProjected(torch.optim.Optimizer):
         inner = "\n".join("    " + line for o in self.optimizers for line in repr(o).splitlines())
         return (
             f"GaugeProjected(project={self.project!r}, mode={self.mode!r}, fix_every={self.fix_every}, "
-            f"sectors={self.sectors!r}, steps={self._steps},\n{inner}\n)"
+            f"sectors={self.sectors!r}, steps={self._schedule.steps},\n{inner}\n)"
         )
 
 

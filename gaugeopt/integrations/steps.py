@@ -11,7 +11,8 @@ callbacks (:mod:`gaugeopt.integrations.transformers`) and loops written by hand 
   ``AcceleratedOptimizer`` reports ``step_was_skipped``; the optimizer it wraps is watched), and so
   are containers of optimizers (torchtitan's ``OptimizersContainer.optimizers``); a
   :class:`gaugeopt.GaugeProjected` is watched itself (its step is a whole projected round).
-* **counting real steps** — :class:`StepCounter` attaches ``register_step_pre_hook`` /
+* **counting real steps** — :class:`StepCounter` counts with the integrations' one counter
+  (:class:`~gaugeopt.integrations.schedule.Schedule`) and attaches ``register_step_pre_hook`` /
   ``register_step_post_hook`` to those optimizers, so it counts the steps they really take: a
   ``GradScaler`` that finds inf/NaN gradients does not call ``optimizer.step`` (no count, no
   action), gradient accumulation calls it once per ``k`` batches. With several owners a step is a
@@ -58,18 +59,12 @@ from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.options import FixOptions, check_choice, resolve_options
 from gaugeopt.fix.plan import plan_pairs
 from gaugeopt.fix.unwrap import owning_optimizer, owning_optimizers, wrapped_chain
+from gaugeopt.integrations.schedule import Schedule, check_every
 from gaugeopt.structure.certificate import CertificateReport
 from gaugeopt.structure.gate import Gate
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["check_every", "owning_optimizer", "owning_optimizers", "StepCounter", "FixSteps", "ProjectSteps"]
-
-
-def check_every(every: Any, name: str = "every") -> int:
-    """``every`` as a positive number of optimizer steps, or :class:`GaugeError` naming it."""
-    if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
-        raise GaugeError(f"{name}={every!r} must be a positive integer number of optimizer steps")
-    return every
 
 
 # optimizer -> the counters attached to it, so that their hooks run in a fixed order (below)
@@ -90,7 +85,6 @@ class StepCounter:
             records at :meth:`bind` unless the model was proved already (:func:`gaugeopt.certify`).
     """
 
-    every: int
     # Hooks on one optimizer run by this rank, then in the order attached: a projection (0) must
     # see the step the optimizer took, before a fix (1) moves the point along the orbit — else it
     # would take the fix for a vertical step and undo it.
@@ -103,22 +97,38 @@ class StepCounter:
         self.certify = certify
         self.certificate: CertificateReport | None = None
         self._gate: Gate | None = None
-        self.every = check_every(every)
+        self.schedule = Schedule(every)
         self._given_sites = None if sites is None else list(sites)
         self.prefix = prefix
-        self.optimizer_steps = 0
         self.sites: list[AttentionSite] = []
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._round: list[int] = []  # ids of the optimizers that stepped in the open round
         self._handles: list = []
         self._pending: dict[str, float] = {}
 
     # -- policy ----------------------------------------------------------------------------
+    @property
+    def every(self) -> int:
+        """Act after optimizer steps ``every, 2·every, ...`` (the :attr:`schedule`'s)."""
+        return self.schedule.every
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Real optimizer steps (rounds, with several owners) counted so far."""
+        return self.schedule.steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self.schedule.steps = value
+
     def should_run(self, step: int) -> bool:
         """Whether to act after optimizer step ``step`` (1-based); override for other schedules."""
-        return step % self.every == 0
+        return self.schedule.due(step)
+
+    def runs_next(self) -> bool:
+        """Whether the next optimizer step will be acted on (:meth:`should_run` of the next step)."""
+        return self.should_run(self.optimizer_steps + 1)
 
     # -- wiring ----------------------------------------------------------------------------
     def bind(self, model: nn.Module) -> None:
@@ -148,7 +158,8 @@ class StepCounter:
         docstring)."""
         self.detach()
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        self._optimizers, self._optimizer, self._round = optimizers, optimizers[0], []
+        self._optimizers, self._optimizer = optimizers, optimizers[0]
+        self.schedule.expect(len(optimizers))
         for opt in optimizers:
             peers = _ATTACHED.setdefault(opt, [])
             peers.append(self)
@@ -214,18 +225,14 @@ class StepCounter:
 
     # -- the hooks -------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        if not self._round:  # the first step of a round
+        if self.schedule.opening:  # the first step of a round
             self._begin_round(optimizer, args, kwargs)
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         self.finish_certificate()  # loops without a hook between the forward and the step
-        if id(optimizer) not in self._round:
-            self._round.append(id(optimizer))
-        if len(self._round) < len(self._optimizers):
+        if not self.schedule.stepped(id(optimizer)):
             return  # another owner has still to step in this round
-        self._round = []
         self._end_round(optimizer)
-        self.optimizer_steps += 1
         if self.should_run(self.optimizer_steps):
             self._pending.update(self._act(optimizer))
 
