@@ -30,7 +30,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.fix import FixOptions, GaugeFixer, GaugeFixReport, gauge_fix, qk_drift, vo_drift
 from gaugeopt.structure.lrm import LRMLinear, apply_lrm, lrm_param_groups
 from gaugeopt.tools.merging import merge
-from gaugeopt.integrations.optim import GaugeProjected
+from gaugeopt.integrations.optim import GaugeOptimizer, GaugeProjected
 from gaugeopt.projection.projector import GaugeProjector
 from gaugeopt.structure.rope import RopeSpec
 from gaugeopt.structure.site import AttentionSite
@@ -59,6 +59,7 @@ __all__ = [
     "GaugeError",
     "GaugeFixReport",
     "GaugeFixer",
+    "GaugeOptimizer",
     "GaugeProjected",
     "GaugeProjector",
     "QKClipReport",

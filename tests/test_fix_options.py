@@ -57,7 +57,7 @@ def _trained(seed=0, steps=3):
 
 def _wrapper(options=None, **fields):
     model = _model()
-    return gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters()), model, project=None, fix_every=1,
+    return gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters()), model, project=None, fix_every=1,
                                    fix_kwargs={"options": options, **fields} if options is not None else fields)
 
 
@@ -68,7 +68,7 @@ def _entry_points():
         "gauge_fix": lambda **kw: gaugeopt.gauge_fix(None, **kw),
         "GaugeFixer": lambda **kw: GaugeFixer(None, **kw),
         "FixSteps": lambda **kw: FixSteps(every=1, **kw),
-        "GaugeProjected": _wrapper,
+        "GaugeOptimizer": _wrapper,
     }
     try:
         from gaugeopt.integrations.transformers import GaugeFixCallback
@@ -202,7 +202,7 @@ def test_the_optimizer_wrapper_takes_the_options_as_an_object_or_a_dict():
     def run(fix_kwargs):
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=3e-2)
-        opt = gaugeopt.GaugeProjected(inner, model, project=None, fix_every=2, fix_kwargs=fix_kwargs)
+        opt = gaugeopt.GaugeOptimizer(inner, model, project=None, fix_every=2, fix_kwargs=fix_kwargs)
         g = torch.Generator().manual_seed(0)
         for _ in range(4):
             x = torch.randint(0, VOCAB, (4, T), generator=g)
@@ -221,7 +221,7 @@ def test_the_optimizer_wrapper_takes_the_options_as_an_object_or_a_dict():
     # a wrong option is refused at construction, with or without fix_every
     model = _model()
     with pytest.raises(GaugeError, match="granularity='row'"):
-        gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters()), model, fix_kwargs={"granularity": "row"})
+        gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters()), model, fix_kwargs={"granularity": "row"})
 
 
 def test_drift_metrics_measure_at_the_slots_of_the_options_given():

@@ -1,6 +1,6 @@
 """The integrations' one every-N counter (gaugeopt.integrations.schedule.Schedule): rounds of real optimizer
 steps with several owners, the actions after rounds ``every, 2·every, ...``, clear refusals; the hosts (the
-step core under the callbacks, ClipSteps, GaugeProjected) count with it and act only when it says so; their
+step core under the callbacks, ClipSteps, GaugeOptimizer) count with it and act only when it says so; their
 checkpoints keep the format they had."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_every_host_counts_with_a_schedule():
     opt = torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2))
     hosts = [FixSteps(every=3).watch(model, opt), ClipSteps(tau=1e6, every=2).watch(model, opt)]
     other = _lrm_model()
-    wrapper = gaugeopt.GaugeProjected(torch.optim.AdamW(other.parameters()), other, fix_every=4)
+    wrapper = gaugeopt.GaugeOptimizer(torch.optim.AdamW(other.parameters()), other, fix_every=4)
     for h in hosts:
         assert isinstance(h.schedule, Schedule) and h.schedule.every == h.every
     assert isinstance(wrapper._schedule, Schedule) and wrapper.fix_every == 4
@@ -72,7 +72,7 @@ def test_hosts_act_only_when_the_schedule_says_so(monkeypatch):
     def run(model):
         opt = torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2))
         fixer = FixSteps(every=1).watch(model, opt)
-        wrapped = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2), model, project=None, fix_every=1)
+        wrapped = gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, project=None, fix_every=1)
         _train(model, [opt], 3)
         _train(model, [wrapped], 3)
         return fixer.fixes, wrapped._fixes, fixer.optimizer_steps, wrapped._schedule.steps
@@ -104,12 +104,12 @@ def test_checkpoints_keep_their_format():
     assert again.schedule.steps == 2 and again.runs_next()  # the fix comes after the third step, as before
     assert StepCounter(every=5).state_dict() == {"optimizer_steps": 0}
 
-    wrapped = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters()), model, project=None, fix_every=2)
+    wrapped = gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters()), model, project=None, fix_every=2)
     _train(model, [wrapped], 3)
     own = wrapped.state_dict()[_STATE_KEY]
     assert set(own) == {"version", "step", "fixes", "nonfinite_steps", "project", "mode", "fix_every", "sectors"}
     assert (own["version"], own["step"], own["fixes"], own["fix_every"]) == (1, 3, 1, 2)
-    fresh = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters()), model, project=None, fix_every=2)
+    fresh = gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters()), model, project=None, fix_every=2)
     fresh.load_state_dict(wrapped.state_dict())
     assert fresh._schedule.steps == 3 and fresh._fixes == 1
     clone = pickle.loads(pickle.dumps(wrapped))  # the pickled form carries the schedule

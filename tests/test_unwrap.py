@@ -82,12 +82,12 @@ def _cases():
 
     def wrapper_of_one(m):
         a = torch.optim.AdamW(m.parameters())
-        w = gaugeopt.GaugeProjected(a, m)
+        w = gaugeopt.GaugeOptimizer(a, m)
         return w, [a], [w]
 
     def wrapper_of_two(m):
         a, b = _split(m)
-        w = gaugeopt.GaugeProjected([a, b], m)
+        w = gaugeopt.GaugeOptimizer([a, b], m)
         return w, [a, b], [w]
 
     def container(m):
@@ -100,7 +100,7 @@ def _cases():
 
     def nested(m):  # Lightning's wrapper around a skip-reporting wrapper around the projected pair
         a, b = _split(m)
-        w = gaugeopt.GaugeProjected([a, b], m)
+        w = gaugeopt.GaugeOptimizer([a, b], m)
         return LightningLike(SkipReporting(w)), [a, b], [w]
 
     def twice_in_a_list(m):
@@ -163,16 +163,16 @@ def test_a_tensor_two_optimizers_step_is_refused_by_both_owner_maps():
 
 @pytest.mark.parametrize("counter", [FixSteps, ProjectSteps, ClipSteps])
 def test_the_conflict_checks_see_a_fixing_wrapper_however_deep(counter):
-    """A GaugeProjected that fixes, inside Lightning's wrapper inside a container list, is refused by
+    """A GaugeOptimizer that fixes, inside Lightning's wrapper inside a container list, is refused by
     every step core; the same wrapper without fix_every (and not projecting) is not — the control."""
     model = _model()
     a, b = _split(model)
-    fixing = gaugeopt.GaugeProjected([a, b], model, project=None, fix_every=5)
+    fixing = gaugeopt.GaugeOptimizer([a, b], model, project=None, fix_every=5)
     with pytest.raises(GaugeError, match="fix_every=5"):
         counter().check_conflicts([LightningLike(SkipReporting(fixing))])
     model = _model()
     a, b = _split(model)
-    plain = gaugeopt.GaugeProjected([a, b], model, project="update")
+    plain = gaugeopt.GaugeOptimizer([a, b], model, project="update")
     if counter is ProjectSteps:
         with pytest.raises(GaugeError, match="projected twice"):
             counter().check_conflicts([LightningLike(plain)])

@@ -23,7 +23,7 @@ must own every parameter the fix rescales, or its state of them could not be tra
 and the report, and decides once which backend computes the numbers: the torch backend
 (:mod:`gaugeopt.fix.torch_backend`, anywhere) or the fused Triton kernel
 (:mod:`gaugeopt.fix.triton_backend`, CUDA tensors). :func:`gauge_fix` is a one-shot
-:class:`GaugeFixer`; the Lightning callback and :class:`gaugeopt.GaugeProjected` keep one and call
+:class:`GaugeFixer`; the Lightning callback and :class:`gaugeopt.GaugeOptimizer` keep one and call
 it after optimizer steps, so planning and the kernel's packed tables are reused.
 
 Example:

@@ -3,7 +3,7 @@
 Every entry point that fixes takes the same options — :func:`gaugeopt.gauge_fix`,
 :class:`~gaugeopt.fix.gaugefix.GaugeFixer`, the step core
 :class:`~gaugeopt.integrations.steps.FixSteps` and the callbacks built on it (Lightning's
-``GaugeFix``, the Hugging Face ``GaugeFixCallback``), :class:`gaugeopt.GaugeProjected`'s
+``GaugeFix``, the Hugging Face ``GaugeFixCallback``), :class:`gaugeopt.GaugeOptimizer`'s
 ``fix_kwargs`` — and the planning and drift functions take the fields they read
 (:func:`~gaugeopt.fix.plan.plan_pairs`, :func:`~gaugeopt.fix.drift.drift_table`). Each accepts them
 

@@ -15,7 +15,7 @@ what is declared approximate, what is refused; docs/optimizers.md). This module 
   parameter the whole tensor, e.g. all of ``c_attn``) or ``"leave"`` (keep it stale, as paper 002 did);
 * :func:`rescale_state` — do it, given the factor;
 * :func:`param_owners` — which optimizer holds each rescaled parameter's state (exactly one, or
-  :class:`GaugeError`), behind any wrapper (Lightning's, Accelerate's, :class:`gaugeopt.GaugeProjected`,
+  :class:`GaugeError`), behind any wrapper (Lightning's, Accelerate's, :class:`gaugeopt.GaugeOptimizer`,
   torchtitan's container, lists: Muon beside AdamW); the walk through the wrappers is
   :mod:`gaugeopt.fix.unwrap`'s, re-exported here.
 

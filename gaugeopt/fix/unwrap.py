@@ -11,7 +11,7 @@ handed: what holds the state (what a fix transports); what is hooked (what count
 * Accelerate's ``AcceleratedOptimizer`` (an Optimizer whose ``state`` is the inner one's) — the one
   it wraps; the one it wraps, since its own ``step`` runs also for the steps a ``GradScaler``
   skipped (it reports ``step_was_skipped``);
-* :class:`gaugeopt.GaugeProjected`, over one optimizer or several (``.optimizers``) — each inner
+* :class:`gaugeopt.GaugeOptimizer`, over one optimizer or several (``.optimizers``) — each inner
   optimizer; the wrapper itself, whose step is one whole projected round (it declares
   ``steps_as_one_round``);
 * a container of optimizers in ``.optimizers`` (torchtitan's ``OptimizersContainer``) — each member;
@@ -59,13 +59,13 @@ _MAX_DEPTH = 8  # wrappers inside wrappers (and containers inside containers) fo
 
 def inner_optimizer(wrapper):
     """What ``wrapper`` wraps through ``.optimizer`` or ``._optimizer`` (``None`` when nothing):
-    Lightning's ``LightningOptimizer``, Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`."""
+    Lightning's ``LightningOptimizer``, Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeOptimizer`."""
     return getattr(wrapper, "optimizer", None) or getattr(wrapper, "_optimizer", None)
 
 
 def _members(optimizer) -> list | None:
     """The optimizers a container holds in ``.optimizers`` (torchtitan's ``OptimizersContainer``,
-    :class:`gaugeopt.GaugeProjected`), or ``None``."""
+    :class:`gaugeopt.GaugeOptimizer`), or ``None``."""
     parts = getattr(optimizer, "optimizers", None)
     if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
         return list(parts)

@@ -16,7 +16,7 @@ then acts on the stepped weights.
 **With GaugeFix: clip the magnitude, then balance.** Hooks on one optimizer run in rank order: a
 projection (0) sees the step the optimizer took, the clip (0.5) caps the heads' logits, GaugeFix (1)
 balances the clipped rows' Q/K scales, whatever the order in which the callbacks were given.
-:class:`gaugeopt.GaugeProjected` with ``fix_every`` fixes inside its own step, before any post-hook,
+:class:`gaugeopt.GaugeOptimizer` with ``fix_every`` fixes inside its own step, before any post-hook,
 so it is refused here: use the GaugeFix callback (or :class:`~gaugeopt.integrations.steps.FixSteps`)
 beside this one.
 
@@ -125,7 +125,7 @@ class ClipSteps(StepCounter):
         self._close_tracker()
 
     def check_conflicts(self, optimizers) -> None:
-        """Refuse a :class:`gaugeopt.GaugeProjected` with ``fix_every``: it balances inside its own step,
+        """Refuse a :class:`gaugeopt.GaugeOptimizer` with ``fix_every``: it balances inside its own step,
         before this clip could run (the order must be clip, then balance)."""
         for o in wrapped_chain(optimizers):
             if getattr(o, "fix_every", None):

@@ -3,7 +3,7 @@
 * :class:`GaugeFix` — paper 002's GaugeFix-LRM after every ``every``-th *optimizer step*,
   with optimizer-state transport, logging drift before/after and the scale product.
 * :class:`GaugeProjection` — gauge-orthogonal projection of the update (or the gradient), the
-  callback form of :class:`gaugeopt.GaugeProjected`.
+  callback form of :class:`gaugeopt.GaugeOptimizer`.
 * :class:`QKClip` — QK-Clip (:func:`gaugeopt.qk_clip`) after every ``every``-th optimizer step, on
   the maxima of that step's training forwards; before GaugeFix when both are given.
 * :class:`GaugeMonitor` — measures only (drift, scale product, vertical fraction of the last
@@ -191,7 +191,7 @@ class GaugeMonitor(_StepCounter):
 
 class GaugeProjection(ProjectSteps, _StepCounter):
     """Project every optimizer step (or gradient) off the gauge orbits: the callback form of
-    :class:`gaugeopt.GaugeProjected`, sharing its step functions.
+    :class:`gaugeopt.GaugeOptimizer`, sharing its step functions.
 
     Args:
         mode: ``"exact"`` (Sylvester), ``"approx"`` (a few preconditioned CG steps, never leaving

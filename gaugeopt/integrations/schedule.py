@@ -2,7 +2,7 @@
 
 The one counter of the integrations: the step core (:class:`~gaugeopt.integrations.steps.StepCounter`,
 under the Lightning and Hugging Face callbacks and :class:`~gaugeopt.integrations.clip.ClipSteps`)
-and :class:`gaugeopt.GaugeProjected`'s ``fix_every`` count with a :class:`Schedule`.
+and :class:`gaugeopt.GaugeOptimizer`'s ``fix_every`` count with a :class:`Schedule`.
 
 A *round* is one step of every optimizer that owns the watched parameters: with one optimizer each
 step is a round; with several (``backward(); muon.step(); adamw.step()``) the round is complete when

@@ -10,7 +10,7 @@ callbacks (:mod:`gaugeopt.integrations.transformers`) and loops written by hand 
   whose ``step()`` runs even when nothing is stepped are looked through (Accelerate's
   ``AcceleratedOptimizer`` reports ``step_was_skipped``; the optimizer it wraps is watched), and so
   are containers of optimizers (torchtitan's ``OptimizersContainer.optimizers``); a
-  :class:`gaugeopt.GaugeProjected` is watched itself (its step is a whole projected round).
+  :class:`gaugeopt.GaugeOptimizer` is watched itself (its step is a whole projected round).
 * **counting real steps** — :class:`StepCounter` counts with the integrations' one counter
   (:class:`~gaugeopt.integrations.schedule.Schedule`) and attaches ``register_step_pre_hook`` /
   ``register_step_post_hook`` to those optimizers, so it counts the steps they really take: a
@@ -29,7 +29,7 @@ callbacks (:mod:`gaugeopt.integrations.transformers`) and loops written by hand 
 
 :class:`FixSteps` runs GaugeFix-LRM (one :class:`~gaugeopt.fix.gaugefix.GaugeFixer`, planned once)
 after every ``every``-th step; :class:`ProjectSteps` projects every step with the functions of
-:mod:`gaugeopt.projection.step` that :class:`gaugeopt.GaugeProjected` uses.
+:mod:`gaugeopt.projection.step` that :class:`gaugeopt.GaugeOptimizer` uses.
 
 Example:
     >>> import torch, gaugeopt
@@ -332,7 +332,7 @@ class FixSteps(StepCounter):
             self._fixer.check_state()
 
     def check_conflicts(self, optimizers) -> None:
-        """A :class:`gaugeopt.GaugeProjected` with ``fix_every`` already fixes: refuse fixing twice."""
+        """A :class:`gaugeopt.GaugeOptimizer` with ``fix_every`` already fixes: refuse fixing twice."""
         for o in wrapped_chain(optimizers):
             if getattr(o, "fix_every", None):
                 raise GaugeError(
@@ -418,22 +418,22 @@ class ProjectSteps(StepCounter):
         return [named[n] for n in self.projector.param_names()]
 
     def check_conflicts(self, optimizers) -> None:
-        """Refuse a :class:`gaugeopt.GaugeProjected`: projecting, every step would be projected
+        """Refuse a :class:`gaugeopt.GaugeOptimizer`: projecting, every step would be projected
         twice; fixing (``project=None, fix_every=N``), its fixes run inside its step, and a
         projection of that step would take them for vertical motion and undo them."""
-        from gaugeopt.integrations.optim import GaugeProjected
+        from gaugeopt.integrations.optim import GaugeOptimizer
 
         for o in wrapped_chain(optimizers):
-            if isinstance(o, GaugeProjected) and o.project is not None:
+            if isinstance(o, GaugeOptimizer) and o.project is not None:
                 raise GaugeError(
-                    f"the optimizer is a GaugeProjected(project={o.project!r}) and {type(self).__name__} is also "
+                    f"the optimizer is a GaugeOptimizer(project={o.project!r}) and {type(self).__name__} is also "
                     "active: every step would be projected twice. Use one of them"
                 )
-            if isinstance(o, GaugeProjected) and o.fix_every:
+            if isinstance(o, GaugeOptimizer) and o.fix_every:
                 raise GaugeError(
-                    f"the optimizer is a GaugeProjected(project=None, fix_every={o.fix_every}) and "
+                    f"the optimizer is a GaugeOptimizer(project=None, fix_every={o.fix_every}) and "
                     f"{type(self).__name__} is also active: projecting its step would undo the fixes made inside "
-                    f"it. Use GaugeProjected(optimizer, model, project='update', fix_every={o.fix_every}) alone, "
+                    f"it. Use GaugeOptimizer(optimizer, model, project='update', fix_every={o.fix_every}) alone, "
                     "or the plain optimizer with both callbacks"
                 )
 

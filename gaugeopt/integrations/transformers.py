@@ -3,7 +3,7 @@
 * :class:`GaugeFixCallback` — GaugeFix-LRM after every ``every``-th optimizer step, with
   optimizer-state transport (:class:`gaugeopt.integrations.steps.FixSteps`).
 * :class:`GaugeProjectionCallback` — gauge-orthogonal projection of every step (or gradient)
-  (:class:`gaugeopt.integrations.steps.ProjectSteps`, the functions of :class:`gaugeopt.GaugeProjected`).
+  (:class:`gaugeopt.integrations.steps.ProjectSteps`, the functions of :class:`gaugeopt.GaugeOptimizer`).
 * :class:`QKClipCallback` — QK-Clip after every ``every``-th optimizer step
   (:class:`gaugeopt.integrations.clip.ClipSteps`); before GaugeFix when both are given.
 
@@ -183,7 +183,7 @@ class GaugeFixCallback(_TrainerSide, FixSteps):
 
 class GaugeProjectionCallback(_TrainerSide, ProjectSteps):
     """Project every optimizer step (or its gradient) off the gauge orbits: the Trainer form of
-    :class:`gaugeopt.GaugeProjected`.
+    :class:`gaugeopt.GaugeOptimizer`.
 
     Arguments as :class:`gaugeopt.integrations.steps.ProjectSteps` (``mode="exact"``,
     ``target="update"`` or ``"grad"``, ``sectors``, ``log_every=50``, ``prefix``, projector
