@@ -9,8 +9,8 @@ measure, every few steps, the vertical (pure-gauge) fraction ``‖u_vert‖/‖u
 
 per attention layer and per sector, in float64 at ``θ_old``. Then time, in one interleaved
 loop on the trained model, one optimizer step (forward + backward + AdamW) against one exact
-and one approximate projection of an update (what :class:`gaugeopt.GaugeProjected` adds per
-step), and a whole ``GaugeProjected(AdamW)`` step — ratios from the same run. A second cost
+and one approximate projection of an update (what :class:`gaugeopt.GaugeOptimizer` adds per
+step), and a whole ``GaugeOptimizer(AdamW)`` step — ratios from the same run. A second cost
 block repeats the timing for a GPT-2-small-shaped model (12 layers, 12 heads, d 768).
 
 Model: nanoGPT-style GPT (4 layers, 4 heads, d 128, learned positions, LayerNorm, GELU,
@@ -123,7 +123,7 @@ def cost(model: GPT, lrm: bool, data, args, reps: int, B: int, T: int, label: st
     plain, wrapped_model = model, copy.deepcopy(model)
     opt = adamw(plain, lrm, 1e-4)
     sectors = args.sectors.split(",") if args.sectors != "auto" else "auto"
-    wopt = gaugeopt.GaugeProjected(adamw(wrapped_model, lrm, 1e-4), wrapped_model, sectors=sectors)
+    wopt = gaugeopt.GaugeOptimizer(adamw(wrapped_model, lrm, 1e-4), wrapped_model, sectors=sectors)
     exact, approx = GaugeProjector(plain, sectors, mode="exact"), GaugeProjector(plain, sectors, mode="approx")
     gen = torch.Generator().manual_seed(2)
     times: dict[str, list[float]] = {"step": [], "exact": [], "approx": [], "wrapped_step": []}
@@ -165,7 +165,7 @@ def cost(model: GPT, lrm: bool, data, args, reps: int, B: int, T: int, label: st
     print(
         f"[{label}] step {med['step'] * 1e3:.1f} ms, exact projection {med['exact'] * 1e3:.1f} ms "
         f"({out['exact_over_step']:.3f}×), approx {med['approx'] * 1e3:.1f} ms ({out['approx_over_step']:.3f}×), "
-        f"GaugeProjected step {out['wrapped_over_plain']:.3f}× the plain step",
+        f"GaugeOptimizer step {out['wrapped_over_plain']:.3f}× the plain step",
         flush=True,
     )
     return out

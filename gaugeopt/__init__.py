@@ -27,10 +27,10 @@ from gaugeopt.tools.flat import FlatReport, flat_directions
 from gaugeopt.projection.diagnostics import vertical_fraction, vertical_report
 from gaugeopt.tools.equivalence import equivalent, spectral_fingerprint
 from gaugeopt.errors import GaugeError
-from gaugeopt.fix import GaugeFixer, GaugeFixReport, gauge_fix, qk_drift, vo_drift
+from gaugeopt.fix import FixOptions, GaugeFixer, GaugeFixReport, gauge_fix, qk_drift, vo_drift
 from gaugeopt.structure.lrm import LRMLinear, apply_lrm, lrm_param_groups
 from gaugeopt.tools.merging import merge
-from gaugeopt.integrations.optim import GaugeProjected
+from gaugeopt.integrations.optim import GaugeOptimizer, GaugeProjected
 from gaugeopt.projection.projector import GaugeProjector
 from gaugeopt.structure.rope import RopeSpec
 from gaugeopt.structure.site import AttentionSite
@@ -52,12 +52,14 @@ __all__ = [
     "AttentionSite",
     "AttentionSpec",
     "CertificateReport",
+    "FixOptions",
     "FlatReport",
     "QKNormSpec",
     "certify",
     "GaugeError",
     "GaugeFixReport",
     "GaugeFixer",
+    "GaugeOptimizer",
     "GaugeProjected",
     "GaugeProjector",
     "QKClipReport",

@@ -1,6 +1,7 @@
 """GaugeFix-LRM: function-preserving rebalancing of the Q/K (and V/O) gauge, with state transport.
 
-* :mod:`.plan` — which tensors form each side of a pair, which channels share a scale, options;
+* :mod:`.options` — :class:`FixOptions`, the fix's options in one object, validated once;
+* :mod:`.plan` — which tensors form each side of a pair, which channels share a scale;
 * :mod:`.drift` — drift and scale product (paper 002 eq. 3);
 * :mod:`.balance` — the factors, a pure function of per-channel mean squares;
 * :mod:`.gaugefix` — :class:`GaugeFixer` and :func:`gauge_fix`: validation, state, the report;
@@ -15,6 +16,7 @@
 
 from gaugeopt.fix.drift import qk_drift, vo_drift
 from gaugeopt.fix.gaugefix import GaugeFixer, gauge_fix
+from gaugeopt.fix.options import FixOptions
 from gaugeopt.fix.report import GaugeFixReport
 
-__all__ = ["GaugeFixReport", "GaugeFixer", "gauge_fix", "qk_drift", "vo_drift"]
+__all__ = ["FixOptions", "GaugeFixReport", "GaugeFixer", "gauge_fix", "qk_drift", "vo_drift"]

@@ -46,7 +46,8 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.distributed import full, is_dtensor
-from gaugeopt.fix.plan import PairPlan, check_fix_options, plan_pairs
+from gaugeopt.fix.options import FixOptions, resolve_options
+from gaugeopt.fix.plan import PairPlan, plan_pairs
 from gaugeopt.fix.transport import reduced_ref
 from gaugeopt.structure.pair import Member, PairSide
 from gaugeopt.structure.registry import find_attention
@@ -171,24 +172,35 @@ class PairScales:
     product: torch.Tensor
 
 
+MEASURED = ("granularity", "vo_granularity", "mode", "eps")  # the fix options a drift metric reads
+PER_HEAD = FixOptions(granularity="head")  # paper 002's eq. 3: one scale per head (KV group)
+
+
 def drift_table(
     model: nn.Module | None,
     sites: Sequence[AttentionSite] | None = None,
     *,
-    kinds: Sequence[str] = ("qk",),
-    granularity: str = "head",
-    vo_granularity: str = "head",
-    mode: str = "auto",
-    eps: float = 1e-12,
+    kinds: Sequence[str] | None = None,
+    options: FixOptions | None = None,
+    **fields,
 ) -> list[PairScales]:
-    """Per-layer, per-head (KV group) and per-slot scales, drift and scale product."""
-    check_fix_options(eps=eps)
+    """Per-layer, per-head (KV group) and per-slot scales, drift and scale product.
+
+    Args:
+        model: the model (ignored when ``sites`` is given).
+        kinds: ``"qk"`` and/or ``"vo"`` (default: ``options.kinds``; ``("qk",)`` without options).
+        options: a fix's :class:`~gaugeopt.fix.options.FixOptions`, to measure at its slots
+            (default: per head, ``granularity="head"``).
+        **fields: the options a measurement reads — ``granularity``, ``vo_granularity``, ``mode``,
+            ``eps`` (:class:`~gaugeopt.fix.options.FixOptions`) —, replacing those of ``options``.
+    """
+    opts = resolve_options(options, fields, "drift_table", base=PER_HEAD, accepted=MEASURED)
     sites = find_attention(model) if sites is None else list(sites)
     out = []
-    for plan in plan_pairs(sites, kinds=kinds, granularity=granularity, vo_granularity=vo_granularity, mode=mode):
+    for plan in plan_pairs(sites, opts, kinds=kinds):
         s_a, s_b = plan_scales(plan)
         out.append(PairScales(plan.site.name, plan.site.layer_index, plan.kind, plan.mode, plan.granularity,
-                              s_a, s_b, log_ratio(s_a, s_b, eps), s_a * s_b))
+                              s_a, s_b, log_ratio(s_a, s_b, opts.eps), s_a * s_b))
     return out
 
 
@@ -196,9 +208,8 @@ def qk_drift(
     model: nn.Module | None,
     sites: Sequence[AttentionSite] | None = None,
     *,
-    granularity: str = "head",
-    mode: str = "auto",
-    eps: float = 1e-12,
+    options: FixOptions | None = None,
+    **fields,
 ) -> float:
     """Paper 002 eq. 3: ``max over layers and heads of |log(s_Q/s_K)|`` (KV groups under GQA).
 
@@ -207,21 +218,24 @@ def qk_drift(
 
     Args:
         model: the model (ignored when ``sites`` is given).
-        granularity: ``"head"`` (the paper), ``"channel"`` or ``"plane"``: the max over those
-            slots instead (``"auto"`` = plane under RoPE, head otherwise).
-        mode: ``"auto"`` (multipliers where the model has them, else the W rows and biases),
-            ``"lrm"`` or ``"plain"``.
+        options, **fields: as :func:`drift_table`: ``granularity`` — ``"head"`` (the paper, the
+            default), ``"channel"`` or ``"plane"``: the max over those slots instead (``"auto"`` =
+            plane under RoPE, head otherwise); ``mode`` — ``"auto"`` (multipliers where the model has
+            them, else the W rows and biases), ``"lrm"`` or ``"plain"``; ``eps``.
     """
-    return worst(t.drift for t in drift_table(model, sites, granularity=granularity, mode=mode, eps=eps))
+    return worst(t.drift for t in drift_table(model, sites, kinds=("qk",), options=options, **fields))
 
 
 def vo_drift(
     model: nn.Module | None,
     sites: Sequence[AttentionSite] | None = None,
     *,
-    granularity: str = "head",
-    mode: str = "auto",
-    eps: float = 1e-12,
+    options: FixOptions | None = None,
+    **fields,
 ) -> float:
-    """The V/O analogue of :func:`qk_drift`: ``max |log(s_V/s_O)|`` (``r_V`` rows vs ``c_O`` columns)."""
-    return worst(t.drift for t in drift_table(model, sites, kinds=("vo",), vo_granularity=granularity, mode=mode, eps=eps))
+    """The V/O analogue of :func:`qk_drift`: ``max |log(s_V/s_O)|`` (``r_V`` rows vs ``c_O`` columns).
+
+    ``granularity`` here names the V/O slots (``options.vo_granularity``): ``"head"`` or ``"channel"``."""
+    if "granularity" in fields:
+        fields["vo_granularity"] = fields.pop("granularity")
+    return worst(t.drift for t in drift_table(model, sites, kinds=("vo",), options=options, **fields))

@@ -23,7 +23,7 @@ must own every parameter the fix rescales, or its state of them could not be tra
 and the report, and decides once which backend computes the numbers: the torch backend
 (:mod:`gaugeopt.fix.torch_backend`, anywhere) or the fused Triton kernel
 (:mod:`gaugeopt.fix.triton_backend`, CUDA tensors). :func:`gauge_fix` is a one-shot
-:class:`GaugeFixer`; the Lightning callback and :class:`gaugeopt.GaugeProjected` keep one and call
+:class:`GaugeFixer`; the Lightning callback and :class:`gaugeopt.GaugeOptimizer` keep one and call
 it after optimizer steps, so planning and the kernel's packed tables are reused.
 
 Example:
@@ -54,7 +54,8 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.drift import log_ratio
-from gaugeopt.fix.plan import PairPlan, check_fix_options, plan_pairs, plan_parameters
+from gaugeopt.fix.options import FixOptions, resolve_options
+from gaugeopt.fix.plan import PairPlan, plan_pairs, plan_parameters
 from gaugeopt.fix.report import GaugeFixReport, PairRecord
 from gaugeopt.fix.torch_backend import SpecialMap, StateMap, TorchFix, measured_scales, plan_batches
 from gaugeopt.fix.transport import param_owners, plan_state, storage_factor
@@ -96,26 +97,12 @@ def _rounding_floor(plan: PairPlan) -> float:
                if m.ref.param.is_floating_point())
 
 
-def check_optimizer_owns(params: dict[int, tuple[str, torch.Tensor]], optimizer, what: str) -> None:
-    """Refuse an optimizer that does not step every parameter a gauge operation rescales: its state
-    of the others could not be transported and would silently go stale."""
-    opt = unwrap_optimizer(optimizer)
-    owned = {id(p) for g in opt.param_groups for p in g["params"]}
-    missing = [name for pid, (name, _) in params.items() if pid not in owned]
-    if missing:
-        whose = "none of the" if len(missing) == len(params) else f"{len(params) - len(missing)} of the {len(params)}"
-        raise GaugeError(
-            f"{what}: the optimizer ({type(opt).__name__}) steps {whose} parameters the fix rescales; missing e.g. "
-            f"{missing[:3]}; their optimizer state cannot be transported. Pass the optimizer that trains these "
-            "parameters (is it another model's?), or transport_state=False to rescale the parameters alone"
-        )
-
-
 class GaugeFixer:
     """:func:`gauge_fix`, planned and validated once: call it after optimizer steps.
 
     Arguments as :func:`gauge_fix` (``optimizer`` may be several: ``[muon, adamw]``; each rescaled
-    parameter's state is moved in the one optimizer that steps it). Construction finds the sites,
+    parameter's state is moved in the one optimizer that steps it); the options it runs with are
+    :attr:`options` (a :class:`~gaugeopt.fix.options.FixOptions`). Construction finds the sites,
     builds the plans, validates every option, checks that every parameter it will rescale is
     stepped by exactly one of the optimizers and classifies the state they hold (an unknown key is
     refused here); an optimizer with no state yet is classified right after its first step
@@ -140,37 +127,21 @@ class GaugeFixer:
         self,
         model: nn.Module | None,
         optimizer=None,
-        granularity: str = "auto",
+        granularity: str | None = None,
         *,
         sites: Sequence[AttentionSite] | None = None,
-        vo: bool = False,
-        vo_granularity: str = "head",
-        mode: str = "auto",
-        transport_state: bool = True,
-        unknown_state: str = "error",
-        product_decay: float | None = None,
-        product_max: float | None = None,
-        eps: float = 1e-12,
-        backend: str = "auto",
+        options: FixOptions | None = None,
         check_first_step: bool = True,
-        rescale_frozen: bool = False,
+        **fix_options,
     ) -> None:
-        check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode,
-                          unknown_state=unknown_state, product_decay=product_decay, product_max=product_max, eps=eps)
-        dispatch.requested_backend(backend)  # validates the argument and GAUGEOPT_BACKEND now
+        self.options = opts = resolve_options(options, fix_options, "GaugeFixer", granularity=granularity)
+        dispatch.requested_backend(opts.backend)  # GAUGEOPT_BACKEND is checked now, too
         if model is None and sites is None:
             raise GaugeError("gauge_fix: pass a model or sites=find_attention(model)")
         if model is not None and not isinstance(model, nn.Module):
             raise GaugeError(f"gauge_fix: model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(rescale_frozen, bool):
-            raise GaugeError(f"gauge_fix: rescale_frozen={rescale_frozen!r} must be True or False")
-        self._plan_options = dict(kinds=("qk", "vo") if vo else ("qk",), granularity=granularity,
-                                  vo_granularity=vo_granularity, mode=mode)
-        plan_pairs([], **self._plan_options)  # options checked before the gate runs a proof
-        self.optimizer = optimizer if transport_state else None
-        self.rescale_frozen = rescale_frozen
-        self.unknown_state, self.backend = unknown_state, backend
-        self._numbers = dict(eps=eps, product_decay=product_decay, product_max=product_max)
+        self.optimizer = optimizer if opts.transport_state else None
+        self._numbers = dict(eps=opts.eps, product_decay=opts.product_decay, product_max=opts.product_max)
         self._warned: set[str] = set()
         self.decision: dispatch.Decision | None = None
         self._gate = Gate(model, "gauge_fix", sites=sites)
@@ -184,9 +155,9 @@ class GaugeFixer:
         """Plan the pairs of ``sites`` (frozen ones left out unless ``rescale_frozen``) and find, for every
         parameter it rescales, the one optimizer that steps it."""
         self.sites = list(sites)
-        plans = plan_pairs(self.sites, **self._plan_options)
+        plans = plan_pairs(self.sites, self.options)
         self.frozen: list[str] = []
-        if not self.rescale_frozen:
+        if not self.options.rescale_frozen:
             kept = []
             for plan in plans:
                 frozen = [m.ref.name for _, members in plan.sides() for m in members if not m.ref.param.requires_grad]
@@ -268,7 +239,8 @@ class GaugeFixer:
             if opt is None:
                 what, moves = "no_state", []
             else:
-                what, moves = plan_state(opt, p, unknown_state=self.unknown_state, name=name, factor=self.probe[pid])
+                what, moves = plan_state(opt, p, unknown_state=self.options.unknown_state, name=name,
+                                         factor=self.probe[pid])
             if sig is not None and what in ("transported", "approximate"):
                 self._classified[pid] = (sig, what, moves)
             whats.append((pid, name, p, opt, what, moves))
@@ -312,7 +284,7 @@ class GaugeFixer:
                             "Adam-mini): moved by the torch backend")
                 return unsupported_reason(self.plans, state)
 
-            self.decision = dispatch.choose("gauge_fix", self._device, backend=self.backend,
+            self.decision = dispatch.choose("gauge_fix", self._device, backend=self.options.backend,
                                             module="gaugefix.fused", unsupported=unsupported)
             if self.decision.backend == "triton":
                 from gaugeopt.fix.triton_backend import TritonFix
@@ -347,19 +319,11 @@ class GaugeFixer:
 def gauge_fix(
     model: nn.Module | None,
     optimizer=None,
-    granularity: str = "auto",
+    granularity: str | None = None,
     *,
     sites: Sequence[AttentionSite] | None = None,
-    vo: bool = False,
-    vo_granularity: str = "head",
-    mode: str = "auto",
-    transport_state: bool = True,
-    unknown_state: str = "error",
-    product_decay: float | None = None,
-    product_max: float | None = None,
-    eps: float = 1e-12,
-    backend: str = "auto",
-    rescale_frozen: bool = False,
+    options: FixOptions | None = None,
+    **fix_options,
 ) -> GaugeFixReport:
     """Balance the Q/K (and optionally V/O) gauge of every attention layer, in place.
 
@@ -370,28 +334,17 @@ def gauge_fix(
     Args:
         model: the model (a DDP / ``torch.compile`` / FSDP2 module is fine); ignored when
             ``sites`` is given.
-        optimizer: the optimizer whose state is transported (``None``: parameters only); it must
-            step every parameter the fix rescales.
-        granularity: ``"auto"`` (per RoPE plane under RoPE, else per head), ``"head"``,
-            ``"channel"`` (refused under RoPE) or ``"plane"``.
+        optimizer: the optimizer whose state is transported (``None``: parameters only) — one or
+            several (``[muon, adamw]``), or a wrapper of them; together they must step every
+            parameter the fix rescales, each exactly once.
+        granularity: the one option that may be given by position (``gauge_fix(model, opt, "head")``).
         sites: precomputed :func:`gaugeopt.find_attention` records (saves the module walk).
-        vo: also balance V/O (``r_V`` vs ``c_O``; plain: ``W_V`` rows vs ``W_O`` columns).
-        vo_granularity: ``"head"`` or ``"channel"``.
-        mode: ``"auto"`` (LRM multipliers where present, else the stored rows and biases),
-            ``"lrm"`` (refuse layers without multipliers) or ``"plain"``.
-        transport_state: transport the optimizer state (``False``: paper 002's setting).
-        unknown_state: ``"error"``, ``"reset"`` or ``"leave"`` for optimizers without a state
-            rule (:mod:`gaugeopt.fix.transport`).
-        product_decay: ``λ ∈ [0, 1)``: shrink each slot's ``s_Q·s_K`` by ``(1 − λ)``
-            symmetrically (changes the function on purpose).
-        product_max: cap each slot's ``s_Q·s_K`` at this value, symmetrically.
-        eps: ε of eq. 4 (> 0).
-        backend: ``"auto"`` (the fused Triton kernel on CUDA tensors when Triton is importable,
-            the torch backend otherwise), ``"triton"`` or ``"torch"`` to force one; the
-            environment variable ``GAUGEOPT_BACKEND`` overrides ``"auto"``. Forcing Triton where
-            it cannot run raises :class:`GaugeError`.
-        rescale_frozen: also rescale tensors that do not require gradients (default: a pair with a
-            frozen tensor is left out and listed in ``report.frozen``).
+        options: a :class:`~gaugeopt.fix.options.FixOptions`; keyword arguments replace its fields.
+        **fix_options: any field of :class:`~gaugeopt.fix.options.FixOptions`, documented there:
+            ``granularity`` (``"auto"``), ``transport_state`` (``True``), ``vo`` (``False``),
+            ``vo_granularity`` (``"head"``), ``mode`` (``"auto"``), ``unknown_state``
+            (``"error"``), ``product_decay``, ``product_max`` (``None``), ``eps`` (``1e-12``),
+            ``backend`` (``"auto"``), ``rescale_frozen`` (``False``).
 
     Returns:
         :class:`~gaugeopt.fix.report.GaugeFixReport` (drift and scale product before/after per
@@ -399,11 +352,6 @@ def gauge_fix(
     """
     if model is not None and not isinstance(model, nn.Module):
         raise GaugeError(f"gauge_fix: model must be an nn.Module, got {type(model).__name__}")
-    check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
-                      product_decay=product_decay, product_max=product_max, eps=eps)
+    options = resolve_options(options, fix_options, "gauge_fix", granularity=granularity)  # before any proof
     sites = trusted_sites(model, "gauge_fix", sites=sites)  # one shot: prove now or refuse (no recording armed)
-    return GaugeFixer(
-        model, optimizer, granularity, sites=sites, vo=vo, vo_granularity=vo_granularity, mode=mode,
-        transport_state=transport_state, unknown_state=unknown_state, product_decay=product_decay,
-        product_max=product_max, eps=eps, backend=backend, check_first_step=False, rescale_frozen=rescale_frozen,
-    )()
+    return GaugeFixer(model, optimizer, sites=sites, options=options, check_first_step=False)()

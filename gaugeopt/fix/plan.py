@@ -53,7 +53,9 @@ from typing import Sequence
 import torch
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES
+from gaugeopt.fix.options import (
+    GRANULARITIES, MODES, VO_GRANULARITIES, FixOptions, check_choice, resolve_options,
+)
 from gaugeopt.structure.pair import GaugePair, Member, PairSide
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
@@ -69,40 +71,14 @@ __all__ = [
     "plan_parameters",
 ]
 
-GRANULARITIES = ("auto", "head", "channel", "plane")
-VO_GRANULARITIES = ("head", "channel")
-MODES = ("auto", "lrm", "plain")
 FIX_KINDS = ("qk", "vo")  # "qk": the site's Q/K gauge, on its gains under QK-norm (AttentionSite.qk_kind)
+PLAN_FIELDS = ("granularity", "vo_granularity", "mode")  # the options a plan reads
 
 
-def check_choice(name: str, value, choices) -> None:
-    """Raise :class:`GaugeError` naming the accepted values when ``value`` is not one of them."""
-    if value not in choices:
-        raise GaugeError(f"{name}={value!r} is not one of {choices}")
-
-
-def check_fix_options(
-    *,
-    granularity: str = "auto",
-    vo_granularity: str = "head",
-    mode: str = "auto",
-    unknown_state: str = "error",
-    product_decay: float | None = None,
-    product_max: float | None = None,
-    eps: float = 1e-12,
-) -> None:
-    """Validate every option of a gauge fix (the one check the function, the callbacks and the
-    optimizer wrapper share)."""
-    check_choice("granularity", granularity, GRANULARITIES)
-    check_choice("vo_granularity", vo_granularity, VO_GRANULARITIES)
-    check_choice("mode", mode, MODES)
-    check_choice("unknown_state", unknown_state, UNKNOWN_STATE_POLICIES)
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise GaugeError(f"eps={eps!r} must be > 0 (paper 002 uses 1e-12); it keeps g finite for an all-zero head")
-    if product_decay is not None and not 0.0 <= product_decay < 1.0:
-        raise GaugeError(f"product_decay={product_decay!r} must be in [0, 1): the product is multiplied by 1 - product_decay")
-    if product_max is not None and not product_max > 0:
-        raise GaugeError(f"product_max={product_max!r} must be > 0")
+def check_fix_options(**options) -> None:
+    """Validate fix options given as keyword arguments (:class:`~gaugeopt.fix.options.FixOptions`
+    does it; this spelling stays for callers that validate without keeping the object)."""
+    resolve_options(None, options, "check_fix_options")
 
 
 @dataclass(frozen=True)
@@ -214,30 +190,32 @@ def _slots(pair: GaugePair, granularity: str) -> tuple[str, torch.Tensor, int]:
 
 def plan_pairs(
     sites: Sequence[AttentionSite],
+    options: FixOptions | None = None,
     *,
-    kinds: Sequence[str] = ("qk",),
-    granularity: str = "auto",
-    vo_granularity: str = "head",
-    mode: str = "auto",
+    kinds: Sequence[str] | None = None,
+    **fields,
 ) -> list[PairPlan]:
-    """Build the fix/metric plan for ``sites`` (validates every option; no tensor is read).
+    """Build the fix/metric plan for ``sites`` (no tensor is read).
 
     Args:
-        kinds: ``"qk"`` and/or ``"vo"``. ``"qk"`` is each site's Q/K gauge: the ``"qk_gain"`` pair on a
+        options: the fix's :class:`~gaugeopt.fix.options.FixOptions` (``None``: the defaults);
+            a plan reads its ``granularity``, ``vo_granularity`` and ``mode``, which may also be
+            given as keyword arguments (replacing those of ``options``):
+            ``granularity`` — the Q/K slots (``"auto"``: per RoPE plane where the site uses RoPE,
+            per head otherwise; per channel for gains without RoPE); ``vo_granularity`` — the V/O
+            slots; ``mode`` — ``"lrm"`` (multipliers; refuses a site without them), ``"plain"``
+            (stored rows and biases) or ``"auto"`` (multipliers where present).
+        kinds: ``"qk"`` and/or ``"vo"`` (default: ``options.kinds``, ``("qk",)`` without options).
+            ``"qk"`` is each site's Q/K gauge: the ``"qk_gain"`` pair on a
             QK-norm site, the ``"qk"`` pair elsewhere (:attr:`~gaugeopt.AttentionSite.qk_kind`), and on
             multi-head latent attention also the ``"qk_rope"`` pair of its RoPE part — one plan each
             (:attr:`~gaugeopt.AttentionSite.qk_kinds`; docs/mla.md).
-        granularity: Q/K slots, one of :data:`GRANULARITIES` (``"auto"``: per RoPE plane
-            where the site uses RoPE, per head otherwise; per channel for gains without RoPE).
-        vo_granularity: V/O slots, ``"head"`` or ``"channel"`` (RoPE does not act on values).
-        mode: ``"lrm"`` (multipliers; refuses a site without them), ``"plain"`` (stored rows
-            and biases) or ``"auto"`` (multipliers where present).
     """
-    check_choice("granularity", granularity, GRANULARITIES)
-    check_choice("vo_granularity", vo_granularity, VO_GRANULARITIES)
-    check_choice("mode", mode, MODES)
+    opts = resolve_options(options, fields, "plan_pairs", accepted=PLAN_FIELDS)
+    kinds = opts.kinds if kinds is None else tuple(kinds)
     for k in kinds:
         check_choice("kind", k, FIX_KINDS)
+    granularity, vo_granularity, mode = opts.granularity, opts.vo_granularity, opts.mode
     plans = []
     for site in sites:
         for kind in kinds:

@@ -14,10 +14,10 @@ what is declared approximate, what is refused; docs/optimizers.md). This module 
   ``"reset"`` (drop the parameter's state; the optimizer re-initialises it lazily — for a fused
   parameter the whole tensor, e.g. all of ``c_attn``) or ``"leave"`` (keep it stale, as paper 002 did);
 * :func:`rescale_state` — do it, given the factor;
-* :func:`unwrap_optimizers`, :func:`param_owners` — the optimizers holding the state behind wrappers
-  (Lightning's ``LightningOptimizer``, Accelerate's ``AcceleratedOptimizer``,
-  :class:`gaugeopt.GaugeProjected`, containers in ``.optimizers`` such as torchtitan's, lists:
-  Muon beside AdamW), and which one steps each parameter (exactly one, or :class:`GaugeError`).
+* :func:`param_owners` — which optimizer holds each rescaled parameter's state (exactly one, or
+  :class:`GaugeError`), behind any wrapper (Lightning's, Accelerate's, :class:`gaugeopt.GaugeOptimizer`,
+  torchtitan's container, lists: Muon beside AdamW); the walk through the wrappers is
+  :mod:`gaugeopt.fix.unwrap`'s, re-exported here.
 
 The factor ``s`` is given in *storage layout*, broadcastable against the parameter
 (:func:`storage_factor` builds it from a factor in a :class:`~gaugeopt.structure.site.TensorRef`'s
@@ -40,13 +40,13 @@ Example:
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping
 
 import torch
 
 from gaugeopt.distributed import local_factor, local_view
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.state_rules import StateMove, StateRefused, register_state_rule, state_moves, state_rule
+from gaugeopt.fix.unwrap import inner_optimizer, param_owners, unwrap_optimizer, unwrap_optimizers, wrapped_chain
 from gaugeopt.structure.pair import Member
 from gaugeopt.structure.site import TensorRef
 
@@ -70,122 +70,6 @@ __all__ = [
 ]
 
 UNKNOWN_STATE_POLICIES = ("error", "reset", "leave")
-
-
-def inner_optimizer(wrapper):
-    """What ``wrapper`` wraps through ``.optimizer`` or ``._optimizer`` (``None`` when nothing):
-    Lightning's ``LightningOptimizer``, Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`."""
-    return getattr(wrapper, "optimizer", None) or getattr(wrapper, "_optimizer", None)
-
-
-def wrapped_chain(optimizer) -> list:
-    """``optimizer`` and every object it wraps (:func:`inner_optimizer`, at most 8 levels)."""
-    chain = [optimizer]
-    for _ in range(8):
-        inner = inner_optimizer(chain[-1])
-        if inner is None:
-            break
-        chain.append(inner)
-    return chain
-
-
-def _members(optimizer) -> list | None:
-    """The optimizers a container holds in ``.optimizers`` (torchtitan's ``OptimizersContainer``,
-    :class:`gaugeopt.GaugeProjected` over several), or ``None``."""
-    parts = getattr(optimizer, "optimizers", None)
-    if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
-        return list(parts)
-    return None
-
-
-def unwrap_optimizers(optimizers) -> list[torch.optim.Optimizer]:
-    """The :class:`torch.optim.Optimizer` s holding the state behind ``optimizers``: one optimizer,
-    a wrapper of one, a container of several (``.optimizers``), or a list or tuple of any of these;
-    each once, in order."""
-    items = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    if not items:
-        raise GaugeError("optimizer=[] holds no optimizer; pass the optimizer(s) that train the model")
-    out: list[torch.optim.Optimizer] = []
-    for item in items:
-        for opt in _unwrap(item):
-            if all(opt is not o for o in out):
-                out.append(opt)
-    return out
-
-
-def _unwrap(optimizer, depth: int = 0) -> list[torch.optim.Optimizer]:
-    for _ in range(9):
-        if isinstance(optimizer, torch.optim.Optimizer):
-            inner = getattr(optimizer, "optimizer", None)
-            if isinstance(inner, torch.optim.Optimizer) and optimizer.state is inner.state:
-                optimizer = inner
-                continue
-            parts = _members(optimizer)
-            if parts is not None and depth < 4:
-                return [o for part in parts for o in _unwrap(part, depth + 1)]
-            return [optimizer]
-        inner = inner_optimizer(optimizer)
-        if inner is None:
-            break
-        optimizer = inner
-    raise GaugeError(
-        f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none "
-        "(looked for .optimizer, ._optimizer and .optimizers); pass the optimizer(s) that hold the state"
-    )
-
-
-def unwrap_optimizer(optimizer) -> torch.optim.Optimizer:
-    """The one :class:`torch.optim.Optimizer` holding the state behind ``optimizer``.
-
-    Follows ``.optimizer`` / ``._optimizer`` through wrappers: objects that are not optimizers
-    (Lightning's ``LightningOptimizer``) and optimizers whose ``state`` *is* the wrapped one's
-    (Accelerate's ``AcceleratedOptimizer``, :class:`gaugeopt.GaugeProjected`); a container
-    (``.optimizers``) of one. Where several hold state, use :func:`unwrap_optimizers` and
-    :func:`param_owners`.
-    """
-    opts = unwrap_optimizers(optimizer)
-    if len(opts) > 1:
-        raise GaugeError(
-            f"optimizer={type(optimizer).__qualname__} holds {len(opts)} optimizers "
-            f"({', '.join(type(o).__name__ for o in opts)}); this function needs the one that holds the parameter's state"
-        )
-    return opts[0]
-
-
-def param_owners(optimizers, params: Mapping[int, tuple[str, torch.Tensor]], who: str) -> dict[int, torch.optim.Optimizer]:
-    """``id(param) → the optimizer stepping it``, for each of ``params`` (``id → (name, tensor)``).
-
-    ``optimizers`` is anything :func:`unwrap_optimizers` takes (Muon for the matrices beside AdamW for
-    the rest, a container, a list). A parameter no optimizer steps, or two step, is a
-    :class:`GaugeError`: its state could not be transported (none), or would be transported twice
-    and the parameter stepped twice per iteration (two).
-    """
-    opts = unwrap_optimizers(optimizers)
-    owners: dict[int, list[torch.optim.Optimizer]] = {}
-    for opt in opts:
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if id(p) in params:
-                    owners.setdefault(id(p), []).append(opt)
-    twice = [(params[pid][0], os) for pid, os in owners.items() if len(os) > 1]
-    if twice:
-        name, os = twice[0]
-        raise GaugeError(
-            f"{who}: {len(twice)} parameter(s) the fix rescales are in two optimizers, e.g. {name} in "
-            f"{' and '.join(type(o).__name__ for o in os)}: it would be stepped twice per iteration and its state moved "
-            "twice. Put each parameter in exactly one optimizer"
-        )
-    missing = [name for pid, (name, _) in params.items() if pid not in owners]
-    if missing:
-        names = ", ".join(type(o).__name__ for o in opts)
-        whose = "none of the" if len(missing) == len(params) else f"{len(params) - len(missing)} of the {len(params)}"
-        them = f"the optimizer ({names}) steps" if len(opts) == 1 else f"the optimizers ({names}) step"
-        raise GaugeError(
-            f"{who}: {them} {whose} parameters the fix rescales; missing e.g. "
-            f"{missing[:3]}; their optimizer state cannot be transported. Pass every optimizer that trains these "
-            "parameters (a list: gauge_fix(model, [muon, adamw])), or transport_state=False to rescale the parameters alone"
-        )
-    return {pid: os[0] for pid, os in owners.items()}
 
 
 def _check_policy(unknown_state: str) -> None:

@@ -16,7 +16,7 @@ then acts on the stepped weights.
 **With GaugeFix: clip the magnitude, then balance.** Hooks on one optimizer run in rank order: a
 projection (0) sees the step the optimizer took, the clip (0.5) caps the heads' logits, GaugeFix (1)
 balances the clipped rows' Q/K scales, whatever the order in which the callbacks were given.
-:class:`gaugeopt.GaugeProjected` with ``fix_every`` fixes inside its own step, before any post-hook,
+:class:`gaugeopt.GaugeOptimizer` with ``fix_every`` fixes inside its own step, before any post-hook,
 so it is refused here: use the GaugeFix callback (or :class:`~gaugeopt.integrations.steps.FixSteps`)
 beside this one.
 
@@ -47,7 +47,8 @@ import torch
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.qk_clip import QKClipReport, clip_sites
-from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES, wrapped_chain
+from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES
+from gaugeopt.fix.unwrap import wrapped_chain
 from gaugeopt.integrations.steps import StepCounter
 from gaugeopt.structure.logits import LogitTracker
 from gaugeopt.structure.site import AttentionSite
@@ -111,7 +112,7 @@ class ClipSteps(StepCounter):
         self._tracker = LogitTracker(self.sites, active=self._measuring, grad_only=True)
 
     def _measuring(self) -> bool:
-        return self.should_run(self.optimizer_steps + 1)
+        return self.runs_next()
 
     def _close_tracker(self) -> None:
         if self._tracker is not None:
@@ -124,16 +125,15 @@ class ClipSteps(StepCounter):
         self._close_tracker()
 
     def check_conflicts(self, optimizers) -> None:
-        """Refuse a :class:`gaugeopt.GaugeProjected` with ``fix_every``: it balances inside its own step,
+        """Refuse a :class:`gaugeopt.GaugeOptimizer` with ``fix_every``: it balances inside its own step,
         before this clip could run (the order must be clip, then balance)."""
-        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            for o in wrapped_chain(opt):
-                if getattr(o, "fix_every", None):
-                    raise GaugeError(
-                        f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every}, which balances the gauge "
-                        f"inside its step, before {type(self).__name__} could clip; clip first and balance after: use "
-                        "fix_every=None and the GaugeFix callback (or FixSteps) beside this one"
-                    )
+        for o in wrapped_chain(optimizers):
+            if getattr(o, "fix_every", None):
+                raise GaugeError(
+                    f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every}, which balances the gauge "
+                    f"inside its step, before {type(self).__name__} could clip; clip first and balance after: use "
+                    "fix_every=None and the GaugeFix callback (or FixSteps) beside this one"
+                )
 
     # -- the action ------------------------------------------------------------------------
     def _act(self, optimizer) -> dict[str, float]:

@@ -3,7 +3,7 @@
 * :class:`GaugeFix` — paper 002's GaugeFix-LRM after every ``every``-th *optimizer step*,
   with optimizer-state transport, logging drift before/after and the scale product.
 * :class:`GaugeProjection` — gauge-orthogonal projection of the update (or the gradient), the
-  callback form of :class:`gaugeopt.GaugeProjected`.
+  callback form of :class:`gaugeopt.GaugeOptimizer`.
 * :class:`QKClip` — QK-Clip (:func:`gaugeopt.qk_clip`) after every ``every``-th optimizer step, on
   the maxima of that step's training forwards; before GaugeFix when both are given.
 * :class:`GaugeMonitor` — measures only (drift, scale product, vertical fraction of the last
@@ -107,11 +107,10 @@ class _StepCounter(StepCounter, Callback):
 class GaugeFix(FixSteps, _StepCounter):
     """Apply GaugeFix-LRM (:func:`gaugeopt.gauge_fix`) after every ``every``-th optimizer step.
 
-    Arguments as :class:`gaugeopt.integrations.steps.FixSteps` (``every=100``, ``granularity``,
-    ``transport_state``, ``vo``, ``mode``, ``unknown_state``, ``product_decay``/``product_max``,
+    Arguments as :class:`gaugeopt.integrations.steps.FixSteps`: ``every=100``, the fix's options
+    (keyword arguments, or ``options=FixOptions(...)``: :class:`gaugeopt.fix.options.FixOptions`),
     ``sites`` — default ``find_attention(pl_module)`` at ``setup`` —, ``log_per_layer``, ``prefix``,
-    ``certify``);
-    ``granularity="channel"`` on a RoPE model is refused at ``setup``.
+    ``certify``; ``granularity="channel"`` on a RoPE model is refused at ``setup``.
 
     Logged (at the batch of each fix): ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
     ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}fixes`` (and ``vo_*`` with ``vo=True``).
@@ -124,8 +123,7 @@ class GaugeFix(FixSteps, _StepCounter):
 
     def apply(self, pl_module: pl.LightningModule | torch.nn.Module, optimizer=None):
         """Run one fix now (for manual loops); returns the :class:`~gaugeopt.fix.gaugefix.GaugeFixReport`."""
-        return GaugeFixer(pl_module, optimizer if self.options["transport_state"] else None, sites=self.sites or None,
-                          **self.options)()
+        return GaugeFixer(pl_module, optimizer, sites=self.sites or None, options=self.options)()
 
 
 class GaugeMonitor(_StepCounter):
@@ -168,7 +166,7 @@ class GaugeMonitor(_StepCounter):
         return self._projector
 
     def _begin_round(self, optimizer, args, kwargs) -> None:
-        if self.measure_vertical and self.should_run(self.optimizer_steps + 1):
+        if self.measure_vertical and self.runs_next():
             from gaugeopt.projection.step import snapshot
 
             self._snapshot = snapshot(self._projector_for_updates(), self._module)
@@ -193,7 +191,7 @@ class GaugeMonitor(_StepCounter):
 
 class GaugeProjection(ProjectSteps, _StepCounter):
     """Project every optimizer step (or gradient) off the gauge orbits: the callback form of
-    :class:`gaugeopt.GaugeProjected`, sharing its step functions.
+    :class:`gaugeopt.GaugeOptimizer`, sharing its step functions.
 
     Args:
         mode: ``"exact"`` (Sylvester), ``"approx"`` (a few preconditioned CG steps, never leaving
@@ -221,7 +219,7 @@ class GaugeProjection(ProjectSteps, _StepCounter):
         # step pre-hooks; this hook runs once the gradients exist (accumulated, AMP-unscaled),
         # before clipping and the step.
         super().on_before_optimizer_step(trainer, pl_module, optimizer)  # the certificate first
-        if self.target == "grad" and not self._round and any(optimizer is o for o in self._optimizers):
+        if self.target == "grad" and self.schedule.opening and any(optimizer is o for o in self._optimizers):
             self.project_grads()  # the round's first step: every owner's gradients are final
 
 

@@ -1,4 +1,7 @@
-"""``GaugeProjected``: any ``torch.optim.Optimizer``, with its steps projected off the gauge orbits.
+"""``GaugeOptimizer``: any ``torch.optim.Optimizer``, with its steps projected off the gauge orbits.
+
+(``GaugeProjected`` is its former name, kept as an alias — the same class — for a release: next to
+:class:`gaugeopt.GaugeProjector`, the projector it uses, the two names differed by two letters.)
 
 AdamW's per-coordinate scaling and weight decay are not gauge-equivariant, so the step it
 takes has a *vertical* part that moves along gauge orbits without changing the function
@@ -24,7 +27,7 @@ Parameters outside every gauge sector (embeddings, MLPs, norms, output biases) a
 written: they evolve bit-identically to the unwrapped optimizer. The optimizer state (Adam
 moments) is not touched. ``fix_every=N`` runs GaugeFix-LRM (paper 002) with the inner optimizer
 after every ``N``-th step: one :class:`~gaugeopt.fix.gaugefix.GaugeFixer`, planned and validated
-at construction; its latest report is :attr:`GaugeProjected.last_report` (``.as_dict()`` for a logger).
+at construction; its latest report is :attr:`GaugeOptimizer.last_report` (``.as_dict()`` for a logger).
 
 **Steps counted** are the steps the wrapper took: ``torch.amp.GradScaler.step`` calls
 ``optimizer.step`` only when the gradients are finite, so a step skipped after an overflow
@@ -32,7 +35,7 @@ neither counts nor fixes; with gradient accumulation the loop calls ``step`` onc
 batches. The counters travel in ``state_dict`` (a resumed run fixes at the same steps).
 
 **Several optimizers** (Muon for the 2-D matrices beside AdamW for embeddings, norms, biases and
-multipliers): ``GaugeProjected([muon, adamw], model, ...)`` is *one* wrapper over all of them, because
+multipliers): ``GaugeOptimizer([muon, adamw], model, ...)`` is *one* wrapper over all of them, because
 a gauge direction can span tensors of both (the Q/K rows are Muon's, ``r_Q`` is AdamW's): ``step``
 snapshots once, steps every inner optimizer in order (a closure is evaluated once, before), projects
 the whole update they took together, and fixes after all of them stepped, transporting each
@@ -55,7 +58,7 @@ Example:
     >>> import torch, gaugeopt
     >>> from gaugeopt.models import GPT, GPTConfig
     >>> model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32))
-    >>> opt = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
+    >>> opt = gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), model)
     >>> sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
     >>> x = torch.randint(0, 64, (4, 16))
     >>> for _ in range(3):
@@ -70,7 +73,7 @@ Example:
     GaugeFix alone, every 2 steps, with the optimizer the loop already has:
 
     >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)))
-    >>> opt = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2), model, project=None, fix_every=2)
+    >>> opt = gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, project=None, fix_every=2)
     >>> for _ in range(4):
     ...     model(x, x)[1].backward(); opt.step(); opt.zero_grad()
     >>> opt.state_dict()["gauge_projected"]["fixes"], opt.last_report.max_drift_after < 1e-6
@@ -89,10 +92,12 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
+from gaugeopt.fix.options import FixOptions, resolve_options
+from gaugeopt.integrations.schedule import Schedule, check_every
 from gaugeopt.projection.projector import MODES, GaugeProjector, check_mode
 from gaugeopt.projection.step import remove_vertical_grad_, remove_vertical_update_, snapshot, vertical_fraction_of
 
-__all__ = ["GaugeProjected"]
+__all__ = ["GaugeOptimizer", "GaugeProjected"]
 
 _PROJECT = ("update", "grad", None)
 _STATE_KEY = "gauge_projected"
@@ -128,7 +133,7 @@ class _MergedState(MutableMapping):
         return sum(len(o.state) for o in self._optimizers)
 
 
-class GaugeProjected(torch.optim.Optimizer):
+class GaugeOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` (or several) so that its steps on ``model`` are gauge-orthogonal.
 
     Args:
@@ -145,7 +150,9 @@ class GaugeProjected(torch.optim.Optimizer):
             after every this many steps.
         sectors: ``"auto"`` or a subset of :data:`gaugeopt.projection.projector.SECTORS`.
         sites: attention sites to project (default all).
-        fix_kwargs: extra keyword arguments for ``gauge_fix``.
+        fix_kwargs: the fix's options — a :class:`~gaugeopt.fix.options.FixOptions`, or a dict of
+            its fields (``{"vo": True}``; also ``"options"``, ``"sites"``, ``"check_first_step"`` of
+            :class:`~gaugeopt.fix.gaugefix.GaugeFixer`) —, validated here.
         **projector_kwargs: ``rtol``, ``dtype``, ``cg_tol``, ``joint_tol``, ... for
             :class:`~gaugeopt.projection.projector.GaugeProjector`.
 
@@ -165,6 +172,7 @@ class GaugeProjected(torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = False  # GradScaler unscales and skips inf steps for us
+    steps_as_one_round = True  # its step is one whole round of the inner optimizers: hooks watch it (fix.unwrap)
 
     def __init__(
         self,
@@ -176,47 +184,46 @@ class GaugeProjected(torch.optim.Optimizer):
         *,
         sectors: str | Sequence[str] = "auto",
         sites=None,
-        fix_kwargs: dict | None = None,
+        fix_kwargs: FixOptions | dict | None = None,
         **projector_kwargs: Any,
     ) -> None:
         inner = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
         if not inner:
-            raise GaugeError("GaugeProjected: optimizer=[] holds no optimizer; pass the optimizer(s) that train the model")
+            raise GaugeError("GaugeOptimizer: optimizer=[] holds no optimizer; pass the optimizer(s) that train the model")
         for o in inner:
             if not isinstance(o, torch.optim.Optimizer):
-                raise GaugeError(f"GaugeProjected: optimizer must be a torch.optim.Optimizer (or a list of them), got "
+                raise GaugeError(f"GaugeOptimizer: optimizer must be a torch.optim.Optimizer (or a list of them), got "
                                  f"{type(o).__name__}")
-            if isinstance(o, GaugeProjected):
-                raise GaugeError("GaugeProjected: the optimizer is already wrapped; wrap the inner optimizer(s) once")
+            if isinstance(o, GaugeOptimizer):
+                raise GaugeError("GaugeOptimizer: the optimizer is already wrapped; wrap the inner optimizer(s) once")
         if len({id(o) for o in inner}) < len(inner):
-            raise GaugeError("GaugeProjected: the same optimizer is listed twice; list each inner optimizer once")
+            raise GaugeError("GaugeOptimizer: the same optimizer is listed twice; list each inner optimizer once")
         shared = {id(p) for p in _params(inner[0])}
         for o in inner[1:]:
             mine = {id(p) for p in _params(o)}
             if shared & mine:
-                raise GaugeError("GaugeProjected: a parameter is in two of the inner optimizers; it would be stepped "
+                raise GaugeError("GaugeOptimizer: a parameter is in two of the inner optimizers; it would be stepped "
                                  "twice per step. Put each parameter in one optimizer")
             shared |= mine
         if project not in _PROJECT:
-            raise GaugeError(f"GaugeProjected: project={project!r} is not one of {_PROJECT}")
+            raise GaugeError(f"GaugeOptimizer: project={project!r} is not one of {_PROJECT}")
         if project is None:
             if fix_every is None:
                 raise GaugeError(
-                    "GaugeProjected: project=None (no projection) with fix_every=None does nothing; pass fix_every=N "
+                    "GaugeOptimizer: project=None (no projection) with fix_every=None does nothing; pass fix_every=N "
                     "to run GaugeFix after every N-th step, or project='update'"
                 )
             extra = [*projector_kwargs] + (["sectors"] if sectors != "auto" else [])
             if extra:
                 raise GaugeError(
-                    f"GaugeProjected: {extra} configure the projection, which project=None turns off; drop them or "
+                    f"GaugeOptimizer: {extra} configure the projection, which project=None turns off; drop them or "
                     "pass project='update'"
                 )
-        check_mode(mode, "GaugeProjected")
-        if fix_every is not None and (isinstance(fix_every, bool) or not isinstance(fix_every, int) or fix_every < 1):
-            raise GaugeError(f"GaugeProjected: fix_every={fix_every!r} must be a positive integer or None")
+        check_mode(mode, "GaugeOptimizer")
+        schedule = Schedule(fix_every, name="fix_every", optional=True, who="GaugeOptimizer")  # the steps counted
         if project == "grad" and any(isinstance(o, torch.optim.LBFGS) for o in inner):
             raise GaugeError(
-                "GaugeProjected: project='grad' evaluates the closure once, but LBFGS re-evaluates it; use project='update'"
+                "GaugeOptimizer: project='grad' evaluates the closure once, but LBFGS re-evaluates it; use project='update'"
             )
         super().__init__([torch.zeros(())], {})  # placeholder: see the delegating properties below
         for key in ("_constructor_param_groups", "_constructor_state", "_constructor_defaults"):
@@ -225,10 +232,10 @@ class GaugeProjected(torch.optim.Optimizer):
         self.__dict__["optimizer"] = inner[0] if len(inner) == 1 else None  # one inner optimizer: as before
         self._merged = _MergedState(inner) if len(inner) > 1 else None
         self.model = model
-        self.project, self.mode, self.fix_every = project, mode, fix_every
-        self.sectors, self.sites, self.fix_kwargs = sectors, sites, dict(fix_kwargs or {})
+        self.project, self.mode, self._schedule = project, mode, schedule
+        self.sectors, self.sites = sectors, sites
+        self.fix_kwargs = {"options": fix_kwargs} if isinstance(fix_kwargs, FixOptions) else dict(fix_kwargs or {})
         self.projector_kwargs = projector_kwargs
-        self._steps = 0
         self._fixes = 0
         self.nonfinite_steps = 0
         self._last = None
@@ -239,6 +246,8 @@ class GaugeProjected(torch.optim.Optimizer):
             self._check_coverage()
         if fix_every is not None:
             self._fixer = self._make_fixer()  # plans the fix, checks its options and the optimizer now, not at step N
+        else:
+            _ = self.fix_options  # checked now, not at the first fix()
 
     # ------------------------------------------------------------------ torch.optim.Optimizer plumbing
     # The inner optimizer holds param_groups, state and defaults; the wrapper delegates to it. The
@@ -249,7 +258,7 @@ class GaugeProjected(torch.optim.Optimizer):
 
     def _single(self, what: str) -> torch.optim.Optimizer:
         if self.optimizer is None:
-            raise GaugeError(f"GaugeProjected over {len(self.optimizers)} optimizers: set {what} on one of "
+            raise GaugeError(f"GaugeOptimizer over {len(self.optimizers)} optimizers: set {what} on one of "
                              "wrapper.optimizers")
         return self.optimizer
 
@@ -308,7 +317,7 @@ class GaugeProjected(torch.optim.Optimizer):
         missing = [n for n in self.projector.param_names() if id(params[n]) not in managed]
         if missing:
             raise GaugeError(
-                f"GaugeProjected: gauge parameters {missing[:4]}{' ...' if len(missing) > 4 else ''} are not in the "
+                f"GaugeOptimizer: gauge parameters {missing[:4]}{' ...' if len(missing) > 4 else ''} are not in the "
                 "optimizer; a projected step would move them. Add them to the optimizer, or restrict the projection "
                 "with sites=[...] / sectors=(...)"
             )
@@ -355,10 +364,10 @@ class GaugeProjected(torch.optim.Optimizer):
             self._last = remove_vertical_grad_(self.projector, self.model)
             self.nonfinite_steps += self._last is None
             self._inner_step(None, kwargs)
-        self._steps += 1
-        if self._steps == 1 and self._fixer is not None:
+        self._schedule.stepped()  # one call, one round: every inner optimizer stepped
+        if self._schedule.steps == 1 and self._fixer is not None:
             self._fixer.check_state()  # the state the first step created: an unknown key is refused now
-        if self.fix_every is not None and self._steps % self.fix_every == 0:
+        if self._schedule.due():
             self.fix()
         return loss
 
@@ -366,6 +375,21 @@ class GaugeProjected(torch.optim.Optimizer):
     def last_vertical_fraction(self) -> float:
         """``‖Π_vert(x)‖/‖x‖`` of the last step's update (or gradient) over the gauge parameters."""
         return math.nan if self._last is None else vertical_fraction_of(self._last)
+
+    @property
+    def fix_every(self) -> int | None:
+        """GaugeFix runs after every this many steps (``None``: never)."""
+        return self._schedule.every
+
+    @fix_every.setter
+    def fix_every(self, value: int | None) -> None:
+        self._schedule.every = check_every(value, "fix_every", optional=True, who="GaugeOptimizer")
+
+    @property
+    def fix_options(self) -> FixOptions:
+        """The options :meth:`fix` runs with (from ``fix_kwargs``)."""
+        given = {k: v for k, v in self.fix_kwargs.items() if k not in ("options", "sites", "check_first_step")}
+        return resolve_options(self.fix_kwargs.get("options"), given, "GaugeOptimizer: fix_kwargs")
 
     def _make_fixer(self) -> GaugeFixer:
         kwargs = dict(self.fix_kwargs)
@@ -393,7 +417,7 @@ class GaugeProjected(torch.optim.Optimizer):
         sectors = self.sectors if isinstance(self.sectors, str) else list(self.sectors)
         return {
             "version": 1,
-            "step": self._steps,
+            "step": self._schedule.steps,
             "fixes": self._fixes,
             "nonfinite_steps": self.nonfinite_steps,
             "project": self.project,
@@ -436,27 +460,27 @@ class GaugeProjected(torch.optim.Optimizer):
             inner = sd.get("optimizers")
             if not isinstance(inner, (list, tuple)) or len(inner) != len(self.optimizers):
                 raise GaugeError(
-                    f"GaugeProjected.load_state_dict: this wrapper holds {len(self.optimizers)} optimizers; the state "
+                    f"GaugeOptimizer.load_state_dict: this wrapper holds {len(self.optimizers)} optimizers; the state "
                     f"holds {len(inner) if isinstance(inner, (list, tuple)) else 'no'} ('optimizers'); load the state "
                     "a wrapper over the same optimizers saved")
             for o, s_ in zip(self.optimizers, inner):
                 o.load_state_dict(s_)
         if own is not None:
             if own.get("project") not in _PROJECT or own.get("mode") not in MODES:
-                raise GaugeError(f"GaugeProjected.load_state_dict: unreadable options in {_STATE_KEY!r}: {own}")
-            self._steps, self._fixes = int(own["step"]), int(own["fixes"])
+                raise GaugeError(f"GaugeOptimizer.load_state_dict: unreadable options in {_STATE_KEY!r}: {own}")
+            self._schedule.steps, self._fixes = int(own["step"]), int(own["fixes"])
             self.nonfinite_steps = int(own.get("nonfinite_steps", 0))
             mine = self._own_state()
             differ = [f"{k}: checkpoint {own[k]!r}, constructor {mine[k]!r}"
                       for k in ("project", "mode", "fix_every", "sectors") if k in own and own[k] != mine[k]]
             if differ:  # the code that runs now says what to do; the checkpoint only says what was done
                 warnings.warn(
-                    "GaugeProjected.load_state_dict: the checkpoint was written with other options ("
+                    "GaugeOptimizer.load_state_dict: the checkpoint was written with other options ("
                     + "; ".join(differ) + "). The constructor's options are kept; the counters are restored",
                     RuntimeWarning, stacklevel=2,
                 )
         else:
-            self._steps = self._fixes = self.nonfinite_steps = 0
+            self._schedule.steps = self._fixes = self.nonfinite_steps = 0
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -473,7 +497,7 @@ class GaugeProjected(torch.optim.Optimizer):
             "sites": self.sites,
             "fix_kwargs": self.fix_kwargs,
             "projector_kwargs": self.projector_kwargs,
-            "_steps": self._steps,
+            "_steps": self._schedule.steps,
             "_fixes": self._fixes,
             "nonfinite_steps": self.nonfinite_steps,
             "_last": self._last,
@@ -484,6 +508,8 @@ class GaugeProjected(torch.optim.Optimizer):
         if "optimizers" not in state:  # pickled by a version that wrapped one optimizer only
             state["optimizers"], state["_merged"] = [state["optimizer"]], None
         self.__dict__.update({k: state[k] for k in ("optimizers", "optimizer", "_merged")})
+        self.__dict__["_schedule"] = Schedule(state.pop("fix_every"), name="fix_every", optional=True)
+        self._schedule.steps = state.pop("_steps")
         torch.optim.Optimizer.__setstate__(self, state)  # restores hooks and the step patch
         self._projector = None
         self._fixer = None
@@ -492,9 +518,14 @@ class GaugeProjected(torch.optim.Optimizer):
     def __repr__(self) -> str:
         inner = "\n".join("    " + line for o in self.optimizers for line in repr(o).splitlines())
         return (
-            f"GaugeProjected(project={self.project!r}, mode={self.mode!r}, fix_every={self.fix_every}, "
-            f"sectors={self.sectors!r}, steps={self._steps},\n{inner}\n)"
+            f"GaugeOptimizer(project={self.project!r}, mode={self.mode!r}, fix_every={self.fix_every}, "
+            f"sectors={self.sectors!r}, steps={self._schedule.steps},\n{inner}\n)"
         )
+
+
+# The former name, kept for a release (docs/names.md): the same class, so isinstance checks, pickles and
+# checkpoints made with either name keep working.
+GaugeProjected = GaugeOptimizer
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

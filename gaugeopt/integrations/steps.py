@@ -4,13 +4,15 @@ The Lightning callbacks (:mod:`gaugeopt.integrations.lightning`), the Hugging Fa
 callbacks (:mod:`gaugeopt.integrations.transformers`) and loops written by hand (torchtitan,
 ``docs/integrations.md``) all do the same four things, implemented here once:
 
-* **which optimizers** — :func:`owning_optimizers`: the optimizers that step the parameters an
-  action touches (Muon for the matrices beside AdamW for the multipliers and biases: both).
-  Wrappers whose ``step()`` runs even when nothing is stepped are looked through (Accelerate's
+* **which optimizers** — :func:`~gaugeopt.fix.unwrap.owning_optimizers`: the optimizers that step
+  the parameters an action touches (Muon for the matrices beside AdamW for the multipliers and
+  biases: both), found by the one walk through the wrappers (:mod:`gaugeopt.fix.unwrap`): wrappers
+  whose ``step()`` runs even when nothing is stepped are looked through (Accelerate's
   ``AcceleratedOptimizer`` reports ``step_was_skipped``; the optimizer it wraps is watched), and so
   are containers of optimizers (torchtitan's ``OptimizersContainer.optimizers``); a
-  :class:`gaugeopt.GaugeProjected` is watched itself (its step is a whole projected round).
-* **counting real steps** — :class:`StepCounter` attaches ``register_step_pre_hook`` /
+  :class:`gaugeopt.GaugeOptimizer` is watched itself (its step is a whole projected round).
+* **counting real steps** — :class:`StepCounter` counts with the integrations' one counter
+  (:class:`~gaugeopt.integrations.schedule.Schedule`) and attaches ``register_step_pre_hook`` /
   ``register_step_post_hook`` to those optimizers, so it counts the steps they really take: a
   ``GradScaler`` that finds inf/NaN gradients does not call ``optimizer.step`` (no count, no
   action), gradient accumulation calls it once per ``k`` batches. With several owners a step is a
@@ -27,7 +29,7 @@ callbacks (:mod:`gaugeopt.integrations.transformers`) and loops written by hand 
 
 :class:`FixSteps` runs GaugeFix-LRM (one :class:`~gaugeopt.fix.gaugefix.GaugeFixer`, planned once)
 after every ``every``-th step; :class:`ProjectSteps` projects every step with the functions of
-:mod:`gaugeopt.projection.step` that :class:`gaugeopt.GaugeProjected` uses.
+:mod:`gaugeopt.projection.step` that :class:`gaugeopt.GaugeOptimizer` uses.
 
 Example:
     >>> import torch, gaugeopt
@@ -47,91 +49,22 @@ Example:
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
-from gaugeopt.fix.plan import check_choice, check_fix_options, plan_pairs
-from gaugeopt.fix.transport import inner_optimizer, wrapped_chain
+from gaugeopt.fix.options import FixOptions, check_choice, resolve_options
+from gaugeopt.fix.plan import plan_pairs
+from gaugeopt.fix.unwrap import owning_optimizer, owning_optimizers, wrapped_chain
+from gaugeopt.integrations.schedule import Schedule, check_every
 from gaugeopt.structure.certificate import CertificateReport
 from gaugeopt.structure.gate import Gate
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["check_every", "owning_optimizer", "owning_optimizers", "StepCounter", "FixSteps", "ProjectSteps"]
-
-
-def check_every(every: Any, name: str = "every") -> int:
-    """``every`` as a positive number of optimizer steps, or :class:`GaugeError` naming it."""
-    if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
-        raise GaugeError(f"{name}={every!r} must be a positive integer number of optimizer steps")
-    return every
-
-
-def _watched(optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizers whose ``step`` runs exactly when a step is taken, behind ``optimizer``."""
-    from gaugeopt.integrations.optim import GaugeProjected
-
-    for _ in range(9):
-        if isinstance(optimizer, GaugeProjected):
-            return [optimizer]  # its step is a whole (projected, fixed) round of the optimizers it wraps
-        if isinstance(optimizer, torch.optim.Optimizer) and not hasattr(optimizer, "step_was_skipped"):
-            parts = getattr(optimizer, "optimizers", None)
-            if isinstance(parts, (list, tuple)) and parts and all(isinstance(o, torch.optim.Optimizer) for o in parts):
-                return [w for part in parts for w in _watched(part)]
-            return [optimizer]
-        inner = inner_optimizer(optimizer)
-        if inner is None:
-            break
-        optimizer = inner
-    raise GaugeError(
-        f"optimizer={type(optimizer).__qualname__} is not a torch.optim.Optimizer and wraps none (looked for "
-        ".optimizer and ._optimizer); pass the optimizer that steps the attention parameters"
-    )
-
-
-def owning_optimizers(optimizers, params: Iterable[torch.Tensor], who: str) -> list[torch.optim.Optimizer]:
-    """The optimizers among ``optimizers`` (one or a sequence) that step any of ``params``, as the
-    objects to hook (see :func:`_watched`), in order. None is a :class:`GaugeError`, and so is a
-    tensor stepped by two (it would be updated twice per iteration)."""
-    candidates = [optimizers] if not isinstance(optimizers, (list, tuple)) else list(optimizers)
-    wanted = {id(p) for p in params}
-    owners: list[torch.optim.Optimizer] = []
-    seen: dict[int, torch.optim.Optimizer] = {}
-    for opt in (w for c in candidates for w in _watched(c)):
-        if any(opt is o for o in owners):
-            continue
-        mine = wanted & {id(p) for g in opt.param_groups for p in g["params"]}
-        if not mine:
-            continue
-        for pid in mine:
-            if pid in seen:
-                raise GaugeError(
-                    f"{who}: a parameter of the attention is stepped by two optimizers ({type(seen[pid]).__name__} and "
-                    f"{type(opt).__name__}): it would be updated twice per iteration. Put each tensor in one optimizer"
-                )
-            seen[pid] = opt
-        owners.append(opt)
-    if not owners:
-        raise GaugeError(
-            f"{who}: no optimizer of this run updates the attention parameters it watches ({len(wanted)} tensors); "
-            "pass the optimizer(s) that train the model (their param_groups must hold the Q/K/V/O tensors)"
-        )
-    return owners
-
-
-def owning_optimizer(optimizers, params: Iterable[torch.Tensor], who: str) -> torch.optim.Optimizer:
-    """The one optimizer among ``optimizers`` that steps ``params`` (:func:`owning_optimizers` when
-    several may)."""
-    owners = owning_optimizers(optimizers, params, who)
-    if len(owners) > 1:
-        raise GaugeError(
-            f"{who}: the attention parameters are split over {len(owners)} optimizers; this needs the one that steps "
-            "them all (owning_optimizers and StepCounter.watch take several)"
-        )
-    return owners[0]
 
 
 # optimizer -> the counters attached to it, so that their hooks run in a fixed order (below)
@@ -152,7 +85,6 @@ class StepCounter:
             records at :meth:`bind` unless the model was proved already (:func:`gaugeopt.certify`).
     """
 
-    every: int
     # Hooks on one optimizer run by this rank, then in the order attached: a projection (0) must
     # see the step the optimizer took, before a fix (1) moves the point along the orbit — else it
     # would take the fix for a vertical step and undo it.
@@ -165,22 +97,38 @@ class StepCounter:
         self.certify = certify
         self.certificate: CertificateReport | None = None
         self._gate: Gate | None = None
-        self.every = check_every(every)
+        self.schedule = Schedule(every)
         self._given_sites = None if sites is None else list(sites)
         self.prefix = prefix
-        self.optimizer_steps = 0
         self.sites: list[AttentionSite] = []
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None  # the first of _optimizers
         self._optimizers: list[torch.optim.Optimizer] = []
-        self._round: list[int] = []  # ids of the optimizers that stepped in the open round
         self._handles: list = []
         self._pending: dict[str, float] = {}
 
     # -- policy ----------------------------------------------------------------------------
+    @property
+    def every(self) -> int:
+        """Act after optimizer steps ``every, 2·every, ...`` (the :attr:`schedule`'s)."""
+        return self.schedule.every
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Real optimizer steps (rounds, with several owners) counted so far."""
+        return self.schedule.steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self.schedule.steps = value
+
     def should_run(self, step: int) -> bool:
         """Whether to act after optimizer step ``step`` (1-based); override for other schedules."""
-        return step % self.every == 0
+        return self.schedule.due(step)
+
+    def runs_next(self) -> bool:
+        """Whether the next optimizer step will be acted on (:meth:`should_run` of the next step)."""
+        return self.should_run(self.optimizer_steps + 1)
 
     # -- wiring ----------------------------------------------------------------------------
     def bind(self, model: nn.Module) -> None:
@@ -210,7 +158,8 @@ class StepCounter:
         docstring)."""
         self.detach()
         optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        self._optimizers, self._optimizer, self._round = optimizers, optimizers[0], []
+        self._optimizers, self._optimizer = optimizers, optimizers[0]
+        self.schedule.expect(len(optimizers))
         for opt in optimizers:
             peers = _ATTACHED.setdefault(opt, [])
             peers.append(self)
@@ -276,18 +225,14 @@ class StepCounter:
 
     # -- the hooks -------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs) -> None:
-        if not self._round:  # the first step of a round
+        if self.schedule.opening:  # the first step of a round
             self._begin_round(optimizer, args, kwargs)
 
     def _post_step(self, optimizer, args, kwargs) -> None:
         self.finish_certificate()  # loops without a hook between the forward and the step
-        if id(optimizer) not in self._round:
-            self._round.append(id(optimizer))
-        if len(self._round) < len(self._optimizers):
+        if not self.schedule.stepped(id(optimizer)):
             return  # another owner has still to step in this round
-        self._round = []
         self._end_round(optimizer)
-        self.optimizer_steps += 1
         if self.should_run(self.optimizer_steps):
             self._pending.update(self._act(optimizer))
 
@@ -319,19 +264,20 @@ class FixSteps(StepCounter):
     Args:
         every: fix after optimizer steps ``every, 2·every, ...`` (paper 002: 1, 10, 100, 1000;
             100 gave the best validation loss).
-        granularity: ``"auto"`` (per RoPE plane under RoPE, per head otherwise), ``"head"``,
-            ``"channel"`` (refused under RoPE, at :meth:`bind`) or ``"plane"``.
-        transport_state: transport Adam/SGD state with the rescale (``False``: paper 002's setting).
-        vo, vo_granularity: also balance V/O.
-        mode: ``"auto"``, ``"lrm"`` or ``"plain"`` (see :func:`gaugeopt.gauge_fix`).
-        unknown_state: policy for optimizers without a state rule: ``"error"``, ``"reset"``, ``"leave"``.
-        product_decay, product_max: magnitude control of ``s_Q·s_K`` (changes the function on purpose).
+        granularity: the one fix option that may be given by position.
+        options: a :class:`~gaugeopt.fix.options.FixOptions`; keyword arguments replace its fields.
         sites: attention sites (default: ``find_attention(model)`` at :meth:`bind`).
         log_per_layer: also report per-layer drift and scale product.
         prefix: metric name prefix.
         certify: as :class:`StepCounter`.
+        **fix_options: any field of :class:`~gaugeopt.fix.options.FixOptions` (``granularity``,
+            ``transport_state``, ``vo``, ``vo_granularity``, ``mode``, ``unknown_state``,
+            ``product_decay``, ``product_max``, ``eps``, ``backend``, ``rescale_frozen``), validated
+            here; the refusals that depend on the model (``granularity="channel"`` under RoPE,
+            ``mode="lrm"`` without multipliers) at :meth:`bind`.
 
-    Metrics of each fix: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
+    The options are :attr:`options` (a :class:`~gaugeopt.fix.options.FixOptions`, also readable as
+    ``options["vo"]``). Metrics of each fix: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
     ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}heads_fixed``, ``{prefix}fixes``, ...
     (:meth:`~gaugeopt.fix.report.GaugeFixReport.as_dict`).
     """
@@ -339,55 +285,43 @@ class FixSteps(StepCounter):
     def __init__(
         self,
         every: int = 100,
-        granularity: str = "auto",
+        granularity: str | None = None,
         *,
-        transport_state: bool = True,
-        vo: bool = False,
-        vo_granularity: str = "head",
-        mode: str = "auto",
-        unknown_state: str = "error",
-        product_decay: float | None = None,
-        product_max: float | None = None,
+        options: FixOptions | None = None,
         sites: Sequence[AttentionSite] | None = None,
         log_per_layer: bool = False,
         prefix: str = "gauge/",
         certify: bool = True,
+        **fix_options: Any,
     ) -> None:
         super().__init__(every, sites, prefix, certify)
-        check_fix_options(granularity=granularity, vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state,
-                          product_decay=product_decay, product_max=product_max)
-        self.options = dict(
-            granularity=granularity, transport_state=transport_state, vo=vo, vo_granularity=vo_granularity,
-            mode=mode, unknown_state=unknown_state, product_decay=product_decay, product_max=product_max,
-        )
+        self.options = resolve_options(options, fix_options, type(self).__name__, granularity=granularity)
         self.log_per_layer = log_per_layer
         self.fixes = 0
         self.last_report = None
         self._fixer: GaugeFixer | None = None
 
+    def _new_fixer(self, optimizers) -> GaugeFixer:
+        """A :class:`~gaugeopt.fix.gaugefix.GaugeFixer` over the bound sites and ``optimizers``
+        (planned once, kernel tables reused; the state is classified by :meth:`_end_round`)."""
+        return GaugeFixer(self._module, optimizers, sites=self.sites, options=self.options, check_first_step=False)
+
     def _validate(self, sites: list[AttentionSite]) -> None:
-        opts = self.options
-        plan_pairs(sites, kinds=("qk", "vo") if opts["vo"] else ("qk",), granularity=opts["granularity"],
-                   vo_granularity=opts["vo_granularity"], mode=opts["mode"])  # the refusals, now
-        self._fixer = None  # bound to (new) sites: built again when the optimizers are attached
-        if self._optimizers:  # records changed after attaching (model surgery): plan the fixer again now
-            want = self._optimizers if self.options["transport_state"] else None
-            self._fixer = GaugeFixer(self._module, want, sites=sites, check_first_step=False, **self.options)
+        plan_pairs(sites, self.options)  # the refusals, now
+        # bound to (new) sites: built again now when optimizers are attached (model surgery), else at attach
+        self._fixer = self._new_fixer(self._optimizers) if self._optimizers else None
 
     def attach(self, optimizer) -> None:
         """Hook the owners' steps and build the fixer over them now, so that their state is
         classified at set-up (or right after their first step), not at step ``every``."""
         super().attach(optimizer)
-        want = self._optimizers if self.options["transport_state"] else None
-        self._fixer = GaugeFixer(self._module, want, sites=self.sites, check_first_step=False, **self.options)
+        self._fixer = self._new_fixer(self._optimizers)
         self._state_checked = False
 
     def _fixer_for(self, optimizer) -> GaugeFixer:
-        """The :class:`~gaugeopt.fix.gaugefix.GaugeFixer` over the attached optimizers: planned once,
-        kernel tables reused."""
+        """The fixer over the attached optimizers (``optimizer`` when none was attached)."""
         if self._fixer is None:
-            want = (self._optimizers or [optimizer]) if self.options["transport_state"] else None
-            self._fixer = GaugeFixer(self._module, want, sites=self.sites, check_first_step=False, **self.options)
+            self._fixer = self._new_fixer(self._optimizers or [optimizer])
         return self._fixer
 
     def _end_round(self, optimizer) -> None:
@@ -398,14 +332,13 @@ class FixSteps(StepCounter):
             self._fixer.check_state()
 
     def check_conflicts(self, optimizers) -> None:
-        """A :class:`gaugeopt.GaugeProjected` with ``fix_every`` already fixes: refuse fixing twice."""
-        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            for o in wrapped_chain(opt):
-                if getattr(o, "fix_every", None):
-                    raise GaugeError(
-                        f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every} and {type(self).__name__} is "
-                        "also active: the model would be fixed twice. Use one of them (fix_every=None, or drop the callback)"
-                    )
+        """A :class:`gaugeopt.GaugeOptimizer` with ``fix_every`` already fixes: refuse fixing twice."""
+        for o in wrapped_chain(optimizers):
+            if getattr(o, "fix_every", None):
+                raise GaugeError(
+                    f"the optimizer is a {type(o).__name__} with fix_every={o.fix_every} and {type(self).__name__} is "
+                    "also active: the model would be fixed twice. Use one of them (fix_every=None, or drop the callback)"
+                )
 
     def _act(self, optimizer) -> dict[str, float]:
         report = self._fixer_for(optimizer)()
@@ -485,25 +418,24 @@ class ProjectSteps(StepCounter):
         return [named[n] for n in self.projector.param_names()]
 
     def check_conflicts(self, optimizers) -> None:
-        """Refuse a :class:`gaugeopt.GaugeProjected`: projecting, every step would be projected
+        """Refuse a :class:`gaugeopt.GaugeOptimizer`: projecting, every step would be projected
         twice; fixing (``project=None, fix_every=N``), its fixes run inside its step, and a
         projection of that step would take them for vertical motion and undo them."""
-        from gaugeopt.integrations.optim import GaugeProjected
+        from gaugeopt.integrations.optim import GaugeOptimizer
 
-        for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
-            for o in wrapped_chain(opt):
-                if isinstance(o, GaugeProjected) and o.project is not None:
-                    raise GaugeError(
-                        f"the optimizer is a GaugeProjected(project={o.project!r}) and {type(self).__name__} is also "
-                        "active: every step would be projected twice. Use one of them"
-                    )
-                if isinstance(o, GaugeProjected) and o.fix_every:
-                    raise GaugeError(
-                        f"the optimizer is a GaugeProjected(project=None, fix_every={o.fix_every}) and "
-                        f"{type(self).__name__} is also active: projecting its step would undo the fixes made inside "
-                        f"it. Use GaugeProjected(optimizer, model, project='update', fix_every={o.fix_every}) alone, "
-                        "or the plain optimizer with both callbacks"
-                    )
+        for o in wrapped_chain(optimizers):
+            if isinstance(o, GaugeOptimizer) and o.project is not None:
+                raise GaugeError(
+                    f"the optimizer is a GaugeOptimizer(project={o.project!r}) and {type(self).__name__} is also "
+                    "active: every step would be projected twice. Use one of them"
+                )
+            if isinstance(o, GaugeOptimizer) and o.fix_every:
+                raise GaugeError(
+                    f"the optimizer is a GaugeOptimizer(project=None, fix_every={o.fix_every}) and "
+                    f"{type(self).__name__} is also active: projecting its step would undo the fixes made inside "
+                    f"it. Use GaugeOptimizer(optimizer, model, project='update', fix_every={o.fix_every}) alone, "
+                    "or the plain optimizer with both callbacks"
+                )
 
     def project_grads(self) -> None:
         """``g ← g − Π_vert(g)`` for the gauge parameters' gradients, now."""

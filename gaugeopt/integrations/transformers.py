@@ -3,7 +3,7 @@
 * :class:`GaugeFixCallback` — GaugeFix-LRM after every ``every``-th optimizer step, with
   optimizer-state transport (:class:`gaugeopt.integrations.steps.FixSteps`).
 * :class:`GaugeProjectionCallback` — gauge-orthogonal projection of every step (or gradient)
-  (:class:`gaugeopt.integrations.steps.ProjectSteps`, the functions of :class:`gaugeopt.GaugeProjected`).
+  (:class:`gaugeopt.integrations.steps.ProjectSteps`, the functions of :class:`gaugeopt.GaugeOptimizer`).
 * :class:`QKClipCallback` — QK-Clip after every ``every``-th optimizer step
   (:class:`gaugeopt.integrations.clip.ClipSteps`); before GaugeFix when both are given.
 
@@ -42,7 +42,7 @@ Example:
     >>> from gaugeopt.integrations.transformers import GaugeFixCallback, GaugeProjectionCallback
     >>> cb = GaugeFixCallback(every=100)
     >>> cb.state()
-    {'args': {'every': 100, 'granularity': 'auto', 'transport_state': True, 'vo': False, 'vo_granularity': 'head', 'mode': 'auto', 'unknown_state': 'error', 'product_decay': None, 'product_max': None, 'log_per_layer': False, 'prefix': 'gauge/', 'certify': True}, 'attributes': {'optimizer_steps': 0, 'fixes': 0}}
+    {'args': {'every': 100, 'granularity': 'auto', 'transport_state': True, 'vo': False, 'vo_granularity': 'head', 'mode': 'auto', 'unknown_state': 'error', 'product_decay': None, 'product_max': None, 'eps': 1e-12, 'backend': 'auto', 'rescale_frozen': False, 'log_per_layer': False, 'prefix': 'gauge/', 'certify': True}, 'attributes': {'optimizer_steps': 0, 'fixes': 0}}
     >>> GaugeProjectionCallback(target="grad").target
     'grad'
 """
@@ -57,6 +57,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.fix.options import FixOptions
 from gaugeopt.integrations.clip import ClipSteps
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizers
 
@@ -148,11 +149,11 @@ class _TrainerSide(TrainerCallback, ExportableState):
 class GaugeFixCallback(_TrainerSide, FixSteps):
     """Apply GaugeFix-LRM (:func:`gaugeopt.gauge_fix`) after every ``every``-th optimizer step.
 
-    Arguments as :class:`gaugeopt.integrations.steps.FixSteps` (``every=100``, ``granularity``,
-    ``transport_state``, ``vo``, ``vo_granularity``, ``mode``, ``unknown_state``,
-    ``product_decay``/``product_max``, ``log_per_layer``, ``prefix``, ``certify`` — records of no
-    built-in adapter are certified on the first step's forward); the sites are
-    ``find_attention(trainer.model)``, found and checked when the ``Trainer`` is built.
+    Arguments as :class:`gaugeopt.integrations.steps.FixSteps`: ``every=100``, the fix's options
+    (keyword arguments, or ``options=FixOptions(...)``: :class:`gaugeopt.fix.options.FixOptions`),
+    ``log_per_layer``, ``prefix``, ``certify`` — records of no built-in adapter are certified on the
+    first step's forward; the sites are ``find_attention(trainer.model)``, found and checked when the
+    ``Trainer`` is built. The checkpoint stores every option by name (``state()["args"]``).
 
     Logged at each fix's step: ``{prefix}qk_drift_before``, ``{prefix}qk_drift_after``,
     ``{prefix}qk_scale_product_mean``/``_max``, ``{prefix}heads_fixed``, ``{prefix}fixes``, ...
@@ -166,31 +167,23 @@ class GaugeFixCallback(_TrainerSide, FixSteps):
     def __init__(
         self,
         every: int = 100,
-        granularity: str = "auto",
+        granularity: str | None = None,
         *,
-        transport_state: bool = True,
-        vo: bool = False,
-        vo_granularity: str = "head",
-        mode: str = "auto",
-        unknown_state: str = "error",
-        product_decay: float | None = None,
-        product_max: float | None = None,
+        options: FixOptions | None = None,
         log_per_layer: bool = False,
         prefix: str = "gauge/",
         certify: bool = True,
+        **fix_options: Any,
     ) -> None:
-        args = dict(
-            every=every, granularity=granularity, transport_state=transport_state, vo=vo,
-            vo_granularity=vo_granularity, mode=mode, unknown_state=unknown_state, product_decay=product_decay,
-            product_max=product_max, log_per_layer=log_per_layer, prefix=prefix, certify=certify,
-        )
-        FixSteps.__init__(self, **args)
+        FixSteps.__init__(self, every, granularity, options=options, log_per_layer=log_per_layer, prefix=prefix,
+                          certify=certify, **fix_options)
+        args = dict(every=every, **self.options.as_dict(), log_per_layer=log_per_layer, prefix=prefix, certify=certify)
         self._args = _json_args(type(self).__name__, args)
 
 
 class GaugeProjectionCallback(_TrainerSide, ProjectSteps):
     """Project every optimizer step (or its gradient) off the gauge orbits: the Trainer form of
-    :class:`gaugeopt.GaugeProjected`.
+    :class:`gaugeopt.GaugeOptimizer`.
 
     Arguments as :class:`gaugeopt.integrations.steps.ProjectSteps` (``mode="exact"``,
     ``target="update"`` or ``"grad"``, ``sectors``, ``log_every=50``, ``prefix``, projector

@@ -139,7 +139,7 @@ MODES = ("exact", "approx", "paper000")
 
 def check_mode(mode: str, owner: str = "GaugeProjector") -> None:
     """Raise :class:`GaugeError` unless ``mode`` is one of :data:`MODES` (the one check the
-    projector, :class:`gaugeopt.GaugeProjected` and the Lightning callback share)."""
+    projector, :class:`gaugeopt.GaugeOptimizer` and the Lightning callback share)."""
     if mode not in MODES:
         raise GaugeError(f"{owner}: mode={mode!r} is not one of {MODES}")
 
@@ -303,7 +303,7 @@ class GaugeProjector:
     def _require_certified(self) -> None:
         """Projected directions are only as right as the records: every use re-checks them
         (:meth:`Gate.ensure`); records that changed since the projector was built are an error here —
-        :class:`gaugeopt.GaugeProjected` and the callbacks build a new projector instead."""
+        :class:`gaugeopt.GaugeOptimizer` and the callbacks build a new projector instead."""
         if self._gate.ensure():
             raise GaugeError(
                 "GaugeProjector: the model's attention changed since this projector was built (a layer replaced or "

@@ -1,4 +1,4 @@
-"""The projected optimizer step, shared by :class:`gaugeopt.GaugeProjected` and the Lightning
+"""The projected optimizer step, shared by :class:`gaugeopt.GaugeOptimizer` and the Lightning
 callback :class:`gaugeopt.callbacks.GaugeProjection`, and the one definition of the vertical fraction.
 
 ``project="update"``: snapshot the gauge parameters, let the optimizer step, and replace the step it

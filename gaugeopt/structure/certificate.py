@@ -572,7 +572,7 @@ def certify(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Cert
     Runs ``model(*example_args, **example_kwargs)`` once (no gradients; every module in eval
     mode for the call, restored afterwards), then certifies each attention layer alone in
     float64 (see the module docstring). Records that pass are stamped on their modules, which
-    lets :func:`gaugeopt.gauge_fix`, :class:`gaugeopt.GaugeProjected` and the other gauge
+    lets :func:`gaugeopt.gauge_fix`, :class:`gaugeopt.GaugeOptimizer` and the other gauge
     operations use records that no built-in adapter vouches for.
 
     Returns:

@@ -2,7 +2,7 @@
 
 A record says where a layer's Q, K, V and O live and which transformations leave it unchanged. Every
 operation that edits parameters through records (:func:`gaugeopt.gauge_fix`, the projector and
-:class:`gaugeopt.GaugeProjected`, the training callbacks, random gauge transforms, canonical forms,
+:class:`gaugeopt.GaugeOptimizer`, the training callbacks, random gauge transforms, canonical forms,
 merging) or reads the model through them (equivalence, counting) passes this gate first:
 
 1. **records** — :func:`gaugeopt.find_attention` (or the records given);

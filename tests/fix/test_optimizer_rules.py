@@ -391,11 +391,11 @@ def test_pending_gradients_move_with_the_fix():
     assert any(not torch.equal(grads_before[n], pending[n]) for n in changed)  # not vacuous
 
 
-@pytest.mark.parametrize("host", ["FixSteps", "GaugeProjected"])
+@pytest.mark.parametrize("host", ["FixSteps", "GaugeOptimizer"])
 def test_hosts_refuse_unknown_state_at_the_first_step_not_at_step_every(host):
     """The step core and the wrapper (fix every 100) refuse an unknown optimizer when its first
     step creates the state, before any write."""
-    from gaugeopt.integrations.optim import GaugeProjected
+    from gaugeopt.integrations.optim import GaugeOptimizer
     from gaugeopt.integrations.steps import FixSteps
 
     case = zoo.build(LRM, lrm=True)
@@ -405,7 +405,7 @@ def test_hosts_refuse_unknown_state_at_the_first_step_not_at_step_every(host):
     if host == "FixSteps":
         FixSteps(every=100).watch(case.model, inner)
     else:
-        opt = GaugeProjected(inner, case.model, project=None, fix_every=100)
+        opt = GaugeOptimizer(inner, case.model, project=None, fix_every=100)
     zoo_loss(LRM, case.model, batches(1)[0]).backward()
     with pytest.raises(GaugeError, match="Sign has no state rule"):
         opt.step()

@@ -1,5 +1,5 @@
 """Muon for the 2-D matrices beside AdamW for the rest, through every entry point: the step core
-(rounds: the fix after both stepped; a skipped step; the order of the two), GaugeProjected over
+(rounds: the fix after both stepped; a skipped step; the order of the two), GaugeOptimizer over
 both (projection of the joint update, fix_every, state_dict, GradScaler), Lightning, the Hugging
 Face Trainer, Accelerate."""
 
@@ -12,7 +12,7 @@ import torch
 
 import gaugeopt
 from gaugeopt import GaugeError
-from gaugeopt.integrations.optim import GaugeProjected
+from gaugeopt.integrations.optim import GaugeOptimizer
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.projection.projector import GaugeProjector
@@ -134,11 +134,11 @@ def test_projection_of_the_joint_update_of_both_optimizers():
         assert proj.pop_metrics()["gauge/vertical_fraction_update"] > 1e-3
 
 
-# ---------------------------------------------------------------------- GaugeProjected over several
+# ---------------------------------------------------------------------- GaugeOptimizer over several
 def test_gauge_projected_over_two_optimizers_projects_the_joint_update():
     model = _model(lrm=True)
     ref = copy.deepcopy(model)
-    opt = GaugeProjected(list(_opts(model)), model)
+    opt = GaugeOptimizer(list(_opts(model)), model)
     ref_opts = _opts(ref)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     projector = GaugeProjector(model)
@@ -164,7 +164,7 @@ def test_gauge_projected_over_two_optimizers_projects_the_joint_update():
 def test_gauge_projected_fix_every_over_two_optimizers_equals_the_bare_loop():
     model = _model()
     ref = copy.deepcopy(model)
-    opt = GaugeProjected(list(_opts(model)), model, project=None, fix_every=2)
+    opt = GaugeOptimizer(list(_opts(model)), model, project=None, fix_every=2)
     ref_opts = _opts(ref)
     for k, x in enumerate(_batches(4), 1):
         opt.zero_grad()
@@ -183,7 +183,7 @@ def test_gauge_projected_fix_every_over_two_optimizers_equals_the_bare_loop():
     sd = copy.deepcopy(opt.state_dict())
     assert len(sd["optimizers"]) == 2
     twin_model = copy.deepcopy(model)
-    twin = GaugeProjected(list(_opts(twin_model)), twin_model, project=None, fix_every=2)
+    twin = GaugeOptimizer(list(_opts(twin_model)), twin_model, project=None, fix_every=2)
     twin.load_state_dict(sd)
     for x in _batches(2, seed=1):
         for m, o in ((model, opt), (twin_model, twin)):
@@ -197,7 +197,7 @@ def test_gauge_projected_over_two_optimizers_with_a_grad_scaler():
     """The scaler unscales every group of both and skips the whole step when a gradient overflows:
     no inner optimizer steps, the wrapper counts nothing."""
     model = _model(lrm=True, dtype=torch.float32)
-    opt = GaugeProjected(list(_opts(model)), model, project=None, fix_every=1)
+    opt = GaugeOptimizer(list(_opts(model)), model, project=None, fix_every=1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     for k, x in enumerate(_batches(3), 1):
         opt.zero_grad()
@@ -215,10 +215,10 @@ def test_gauge_projected_refusals_over_several():
     model = _model()
     muon, adamw = _opts(model)
     with pytest.raises(GaugeError, match="in two of the inner optimizers"):
-        GaugeProjected([muon, torch.optim.AdamW(model.parameters())], model)
+        GaugeOptimizer([muon, torch.optim.AdamW(model.parameters())], model)
     with pytest.raises(GaugeError, match="listed twice"):
-        GaugeProjected([adamw, adamw], model)
-    opt = GaugeProjected([muon, adamw], model)
+        GaugeOptimizer([adamw, adamw], model)
+    opt = GaugeOptimizer([muon, adamw], model)
     with pytest.raises(GaugeError, match="wrapper.optimizers"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
     with pytest.raises(GaugeError, match="holds 2 optimizers"):
@@ -310,7 +310,7 @@ def test_accelerate_gauge_projected_over_two_optimizers():
 
     accelerator = fresh_accelerator()
     model = _model(lrm=True, dtype=torch.float32)
-    opt = accelerator.prepare_optimizer(GaugeProjected(list(_opts(model)), model, project=None, fix_every=2))
+    opt = accelerator.prepare_optimizer(GaugeOptimizer(list(_opts(model)), model, project=None, fix_every=2))
     for x in _batches(4):
         opt.zero_grad()
         _backward(model, x)

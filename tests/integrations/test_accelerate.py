@@ -1,4 +1,4 @@
-"""Accelerate: the fix-only GaugeProjected wrapped before accelerator.prepare, in a loop with
+"""Accelerate: the fix-only GaugeOptimizer wrapped before accelerator.prepare, in a loop with
 accelerator.accumulate (CPU, bf16 autocast), skipped GradScaler steps, save_state/load_state."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_fix_only_wrapper_before_prepare_equals_the_bare_loop_with_gauge_fix():
     batches = _batches(12)
     acc = fresh_accelerator(gradient_accumulation_steps=2, mixed_precision="bf16")
     model = _model()
-    opt = gaugeopt.GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
+    opt = gaugeopt.GaugeOptimizer(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
                                   project=None, fix_every=3)
     pmodel, popt = acc.prepare(model, opt)
     _loop(acc, pmodel, popt, batches)
@@ -82,7 +82,7 @@ def test_skipped_steps_and_save_state(tmp_path):
         acc = fresh_accelerator(gradient_accumulation_steps=2)
         acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         model = _model()
-        opt = gaugeopt.GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
+        opt = gaugeopt.GaugeOptimizer(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
                                       project=None, fix_every=2)
         pmodel, popt = acc.prepare(model, opt)
         return acc, model, opt, pmodel, popt

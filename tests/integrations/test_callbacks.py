@@ -243,7 +243,7 @@ def test_wrapper_with_fix_every_and_callback_conflict(tmp_path):
     class Wrapped(TinyLit):
         def configure_optimizers(self):
             inner = super().configure_optimizers()
-            return gaugeopt.GaugeProjected(inner, self.model, fix_every=10)
+            return gaugeopt.GaugeOptimizer(inner, self.model, fix_every=10)
 
     seen = []
 
@@ -294,11 +294,11 @@ def test_ddp_two_processes_keep_replicas_identical(tmp_path):
 # ---------------------------------------------------------------------- projection callback
 @pytest.mark.parametrize("target", ["update", "grad"])
 def test_projection_callback_matches_the_wrapper(tmp_path, target):
-    """The callback and GaugeProjected share one implementation: same training, same parameters."""
+    """The callback and GaugeOptimizer share one implementation: same training, same parameters."""
 
     class Wrapped(TinyLit):
         def configure_optimizers(self):
-            return gaugeopt.GaugeProjected(super().configure_optimizers(), self.model, project=target)
+            return gaugeopt.GaugeOptimizer(super().configure_optimizers(), self.model, project=target)
 
     t1 = trainer(tmp_path / "cb", max_steps=6, callbacks=[GaugeProjection(target=target, log_every=1)])
     t1.fit(TinyLit(lr=1e-2), token_loader(6))
@@ -332,7 +332,7 @@ def test_projected_updates_are_horizontal(tmp_path):
 def test_projection_callback_and_wrapper_conflict(tmp_path):
     class Wrapped(TinyLit):
         def configure_optimizers(self):
-            return gaugeopt.GaugeProjected(super().configure_optimizers(), self.model)
+            return gaugeopt.GaugeOptimizer(super().configure_optimizers(), self.model)
 
     t = trainer(tmp_path, max_steps=1, callbacks=[GaugeProjection()])
     with pytest.raises(GaugeError, match="projected twice"):

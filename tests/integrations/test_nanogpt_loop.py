@@ -76,7 +76,7 @@ def _train(model, optimizer, scaler, batches, iters, *, inf_at=(), after_step=No
 def _optimizer(model, wrap: bool, fix_every: int = 4):
     optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), "cpu")  # train.py line 199
     if wrap:  # the line docs/integrations.md adds after it
-        optimizer = gaugeopt.GaugeProjected(optimizer, model, project=None, fix_every=fix_every)
+        optimizer = gaugeopt.GaugeOptimizer(optimizer, model, project=None, fix_every=fix_every)
     return optimizer
 
 

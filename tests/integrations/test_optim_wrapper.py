@@ -1,4 +1,4 @@
-"""GaugeProjected behaves as the optimizer it wraps, and its steps are gauge-orthogonal."""
+"""GaugeOptimizer behaves as the optimizer it wraps, and its steps are gauge-orthogonal."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import gaugeopt
 import projection_helpers as H
 from gaugeopt import GaugeError
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.integrations.optim import GaugeProjected
+from gaugeopt.integrations.optim import GaugeOptimizer
 from gaugeopt.projection.projector import GaugeProjector
 from gaugeopt.structure.invariance import randomize_parameters
 
@@ -64,7 +64,7 @@ def test_training_with_scheduler_every_update_is_horizontal(lrm, rope):
     at the point it starts from, while the unwrapped AdamW update is far from horizontal."""
     model = _model(lrm=lrm, rope=rope)
     ref_model = copy.deepcopy(model)
-    opt = GaugeProjected(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), model)
+    opt = GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1), model)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=8)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, weight_decay=0.1)
     ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=1e-2, total_steps=8)
@@ -93,7 +93,7 @@ def test_parameters_outside_the_gauge_are_bit_identical_to_the_unwrapped_optimiz
     """Fed the same gradients, embeddings/MLP/norms evolve exactly as without the wrapper."""
     model = _model(dtype=torch.float32)
     ref = copy.deepcopy(model)
-    opt = GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), model)
+    opt = GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     gauge = set(opt.projector.param_names())
     assert "transformer.h.0.mlp.c_fc.weight" not in gauge and "transformer.ln_f.weight" not in gauge
@@ -121,7 +121,7 @@ def test_state_dict_round_trip_resumes_bit_identically():
 
     def make():
         model = _model(dtype=torch.float32, lrm=True, seed=2)
-        opt = GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=3e-3)), model, fix_every=3)
+        opt = GaugeOptimizer(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=3e-3)), model, fix_every=3)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         return model, opt, sched
 
@@ -152,14 +152,14 @@ def test_state_dict_round_trip_resumes_bit_identically():
 
 def test_load_state_dict_restores_counters_reports_option_conflicts_and_accepts_a_plain_inner_state():
     model = _model()
-    opt = GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    opt = GaugeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
     _train(model, opt, _batches(2))
-    other = GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, project="grad", mode="approx")
+    other = GaugeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, project="grad", mode="approx")
     with pytest.warns(RuntimeWarning, match=r"project: checkpoint 'update', constructor 'grad'; mode: checkpoint 'exact', "
                                             r"constructor 'approx'\). The constructor's options are kept"):
         other.load_state_dict(opt.state_dict())
     assert (other.project, other.mode, other.state_dict()["gauge_projected"]["step"]) == ("grad", "approx", 2)
-    plain = GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    plain = GaugeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
     plain.load_state_dict(opt.optimizer.state_dict())
     assert plain.state_dict()["gauge_projected"]["step"] == 0
     assert len(plain.state) == len(opt.state)
@@ -167,10 +167,10 @@ def test_load_state_dict_restores_counters_reports_option_conflicts_and_accepts_
 
 def test_pickle_round_trip():
     model = _model()
-    opt = GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    opt = GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
     _train(model, opt, _batches(2))
     model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
-    assert isinstance(opt2, GaugeProjected) and opt2.param_groups[0]["params"][0] is next(model2.parameters())
+    assert isinstance(opt2, GaugeOptimizer) and opt2.param_groups[0]["params"][0] is next(model2.parameters())
     batches = _batches(2, seed=5)
     _train(model, opt, batches)
     _train(model2, opt2, batches)
@@ -188,7 +188,7 @@ def test_grad_mode_projects_gradients_before_the_inner_step():
             seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
             return super().step(closure)
 
-    opt = GaugeProjected(Spy(model.parameters(), lr=0.1), model, project="grad")
+    opt = GaugeOptimizer(Spy(model.parameters(), lr=0.1), model, project="grad")
     x = _batches(1)[0]
     opt.zero_grad()
     model(x, x.roll(-1, 1))[1].backward()
@@ -223,20 +223,20 @@ def test_step_with_closure(project):
         loss.backward()
         return loss
 
-    opt = GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2), model, project=project)
+    opt = GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, project=project)
     first = float(opt.step(closure))
     for _ in range(3):
         last = float(opt.step(closure))
     assert last < first
     if project == "update":  # an optimizer that re-evaluates the closure
-        lb = GaugeProjected(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3), model)
+        lb = GaugeOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3), model)
         before = _snapshot(model)
         lb.step(closure)
         applied = {n: p.detach() - before[n] for n, p in model.named_parameters()}
         assert gaugeopt.vertical_fraction(model, applied, at=before) <= 1e-10
     else:
         with pytest.raises(GaugeError, match="LBFGS"):
-            GaugeProjected(torch.optim.LBFGS(model.parameters()), model, project="grad")
+            GaugeOptimizer(torch.optim.LBFGS(model.parameters()), model, project="grad")
 
 
 def test_grad_scaler_on_cpu():
@@ -244,8 +244,8 @@ def test_grad_scaler_on_cpu():
     result equals the unscaled run bit for bit), and a step with inf gradients is skipped."""
     batches = _batches(3, seed=4)
     a, b = _model(dtype=torch.float32), _model(dtype=torch.float32)
-    opt_a = GaugeProjected(torch.optim.AdamW(a.parameters(), lr=1e-2), a)
-    opt_b = GaugeProjected(torch.optim.AdamW(b.parameters(), lr=1e-2), b)
+    opt_a = GaugeOptimizer(torch.optim.AdamW(a.parameters(), lr=1e-2), a)
+    opt_b = GaugeOptimizer(torch.optim.AdamW(b.parameters(), lr=1e-2), b)
     scaler = torch.amp.GradScaler(device="cpu", init_scale=2.0**10)
     _train(a, opt_a, batches, scaler=scaler)
     _train(b, opt_b, batches)
@@ -266,7 +266,7 @@ def test_grad_scaler_on_cpu():
 def test_param_groups_zero_grad_add_param_group():
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt = GaugeProjected(inner, model)
+    opt = GaugeOptimizer(inner, model)
     assert opt.param_groups is inner.param_groups and opt.state is inner.state and opt.defaults is inner.defaults
     extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
     opt.add_param_group({"params": [extra], "lr": 0.5})
@@ -278,8 +278,8 @@ def test_param_groups_zero_grad_add_param_group():
     handle = opt.register_step_post_hook(lambda o, a, k: calls.append(type(o).__name__))
     _train(model, opt, _batches(1))
     handle.remove()
-    assert calls == ["GaugeProjected"]
-    assert "GaugeProjected(project='update'" in repr(opt)
+    assert calls == ["GaugeOptimizer"]
+    assert "GaugeOptimizer(project='update'" in repr(opt)
 
 
 def test_refusals():
@@ -291,24 +291,24 @@ def test_refusals():
         (dict(fix_every=0), "fix_every"),
     ):
         with pytest.raises(GaugeError, match=match):
-            GaugeProjected(inner, model, **kw)
+            GaugeOptimizer(inner, model, **kw)
     with pytest.raises(GaugeError, match="already wrapped"):
-        GaugeProjected(GaugeProjected(inner, model), model)
+        GaugeOptimizer(GaugeOptimizer(inner, model), model)
     with pytest.raises(GaugeError, match="torch.optim.Optimizer"):
-        GaugeProjected(object(), model)
+        GaugeOptimizer(object(), model)
     attn_free = [p for n, p in model.named_parameters() if "c_attn" not in n]
     with pytest.raises(GaugeError, match="not in the optimizer"):
-        GaugeProjected(torch.optim.AdamW(attn_free), model)
+        GaugeOptimizer(torch.optim.AdamW(attn_free), model)
     # restricting the projection to the layers the optimizer owns is the way out
     sites = gaugeopt.find_attention(model)
     layer1 = [p for n, p in model.named_parameters() if n.startswith("transformer.h.1.")]
-    GaugeProjected(torch.optim.AdamW(layer1), model, sites=sites[1:])
+    GaugeOptimizer(torch.optim.AdamW(layer1), model, sites=sites[1:])
 
 
 def test_fix_every_runs_gaugefix_with_the_inner_optimizer():
     """GaugeFix-LRM every N steps (gaugeopt.fix.gaugefix): the Q/K multiplier drift is reset to 0."""
     model = _model(lrm=True, dtype=torch.float32)
-    opt = GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model, fix_every=2)
+    opt = GaugeOptimizer(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model, fix_every=2)
     _train(model, opt, _batches(3))
     assert opt.state_dict()["gauge_projected"]["fixes"] == 1
     _train(model, opt, _batches(1, seed=9))
@@ -337,7 +337,7 @@ def test_lightning_configure_optimizers():
             self.fractions.append(self.trainer.optimizers[0].last_vertical_fraction)
 
         def configure_optimizers(self):
-            opt = GaugeProjected(torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1), self.model)
+            opt = GaugeOptimizer(torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1), self.model)
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -348,7 +348,7 @@ def test_lightning_configure_optimizers():
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(lit, data)
     opt = trainer.optimizers[0]
-    assert isinstance(opt, GaugeProjected)
+    assert isinstance(opt, GaugeOptimizer)
     assert opt.state_dict()["gauge_projected"]["step"] == 4
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5**4)
     assert len(lit.fractions) == 4 and min(lit.fractions) > 1e-3
@@ -365,7 +365,7 @@ def test_fix_only_leaves_everything_but_the_qk_multipliers_bit_identical():
     are rescaled (their drift is ~0 after each fix) and their Adam moments transported."""
     model = _lrm_gqa()
     ref = copy.deepcopy(model)
-    opt = GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
+    opt = GaugeOptimizer(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
                          project=None, fix_every=3)
     ref_opt = torch.optim.AdamW(gaugeopt.lrm_param_groups(ref, "B", lr=1e-2))
     qk = gaugeopt.structure.lrm.qk_multiplier_names(model)
@@ -405,7 +405,7 @@ def test_fix_only_equals_the_bare_optimizer_with_gauge_fix_after_every_nth_step(
         return model, inner, torch.optim.lr_scheduler.StepLR(inner, step_size=5, gamma=0.5)
 
     model, inner, _ = make()
-    opt = GaugeProjected(inner, model, project=None, fix_every=4)
+    opt = GaugeOptimizer(inner, model, project=None, fix_every=4)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     _train(model, opt, batches, sched)
     ref, ref_opt, ref_sched = make()
@@ -429,7 +429,7 @@ def test_fix_only_with_grad_scaler_counts_real_steps_and_resumes_bit_identically
 
     def make():
         model = _lrm_gqa()
-        opt = GaugeProjected(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
+        opt = GaugeOptimizer(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
                              project=None, fix_every=4)
         return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**8)
 
@@ -469,23 +469,23 @@ def test_fix_only_refusals():
     model = _lrm_gqa()
     inner = torch.optim.AdamW(model.parameters())
     with pytest.raises(GaugeError, match="fix_every=None does nothing"):
-        GaugeProjected(inner, model, project=None)
+        GaugeOptimizer(inner, model, project=None)
     with pytest.raises(GaugeError, match="project=None turns off"):
-        GaugeProjected(inner, model, project=None, fix_every=2, rtol=1e-3)
+        GaugeOptimizer(inner, model, project=None, fix_every=2, rtol=1e-3)
     with pytest.raises(GaugeError, match="fix_every"):
-        GaugeProjected(inner, model, project=None, fix_every=True)
+        GaugeOptimizer(inner, model, project=None, fix_every=True)
     # the fix's options and the optimizer are checked at construction, not at step N
     with pytest.raises(GaugeError, match="granularity"):
-        GaugeProjected(inner, model, project=None, fix_every=2, fix_kwargs={"granularity": "row"})
+        GaugeOptimizer(inner, model, project=None, fix_every=2, fix_kwargs={"granularity": "row"})
     with pytest.raises(GaugeError, match="steps none of the"):
-        GaugeProjected(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), model, project=None, fix_every=2)
+        GaugeOptimizer(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]), model, project=None, fix_every=2)
 
 
 def test_grad_mode_reports_the_fraction_of_the_gradient_it_received():
     """last_vertical_fraction = ‖Π_vert g‖/‖g‖ of the gradient before projection (not of what is left)."""
     model = _model()
     proj = GaugeProjector(model)
-    opt = GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1), model, project="grad")
+    opt = GaugeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, project="grad")
     g = torch.Generator().manual_seed(1)
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)

@@ -93,7 +93,7 @@ def test_clip_runs_before_the_balance(monkeypatch, order):
 
 def test_fix_inside_the_wrapper_is_refused():
     model = _model()
-    opt = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters()), model, project=None, fix_every=2)
+    opt = gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters()), model, project=None, fix_every=2)
     with pytest.raises(GaugeError, match="clip first and balance after"):
         ClipSteps(tau=TAU).watch(model, opt)
 

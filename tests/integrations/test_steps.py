@@ -1,5 +1,5 @@
 """The framework-free core of the integrations (gaugeopt.integrations.steps) and the optimizer
-wrappers it and the fix look through: Accelerate's AcceleratedOptimizer, GaugeProjected,
+wrappers it and the fix look through: Accelerate's AcceleratedOptimizer, GaugeOptimizer,
 containers of optimizers."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _split(model):
 
 def test_gauge_fix_looks_through_wrappers_to_the_state_it_transports():
     """gauge_fix(model, wrapper) transports the Adam moments exactly as gauge_fix(model, inner):
-    for Accelerate's AcceleratedOptimizer and GaugeProjected (optimizers whose state is the inner
+    for Accelerate's AcceleratedOptimizer and GaugeOptimizer (optimizers whose state is the inner
     one's and whose class has no state rule) and for a container holding one optimizer; a
     container of two names the problem."""
     pytest.importorskip("accelerate")
@@ -69,7 +69,7 @@ def test_gauge_fix_looks_through_wrappers_to_the_state_it_transports():
     x = _batches(1)[0]
     results = []
     for wrap in (lambda o, m: o, lambda o, m: accelerator.prepare_optimizer(o),
-                 lambda o, m: gaugeopt.GaugeProjected(o, m), lambda o, m: Container([o])):
+                 lambda o, m: gaugeopt.GaugeOptimizer(o, m), lambda o, m: Container([o])):
         model = _model()
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         opt = wrap(inner, model)
@@ -103,7 +103,7 @@ def test_owning_optimizer_watches_the_optimizer_behind_accelerate_and_inside_con
     inner = torch.optim.AdamW(model.parameters())
     # AcceleratedOptimizer.step runs for skipped steps too (it reports step_was_skipped): watch the inner one
     assert owning_optimizer(accelerator.prepare_optimizer(inner), fix.watched_params(), "x") is inner
-    projected = gaugeopt.GaugeProjected(inner, model)  # its step runs only for real steps: watched itself
+    projected = gaugeopt.GaugeOptimizer(inner, model)  # its step runs only for real steps: watched itself
     assert owning_optimizer([projected], fix.watched_params(), "x") is projected
     adamw, adam = _split(model)
     assert owning_optimizer(Container([adam, adamw]), fix.watched_params(), "x") is adamw

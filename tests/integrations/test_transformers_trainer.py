@@ -167,7 +167,7 @@ def test_bf16_autocast_on_cpu(tmp_path):
 
 
 def test_projection_callback_equals_the_projected_optimizer(tmp_path):
-    """GaugeProjectionCallback(target="update") and GaugeProjected share the projected step:
+    """GaugeProjectionCallback(target="update") and GaugeOptimizer share the projected step:
     the two runs end bit-identical, and every applied update is horizontal (to float32 rounding:
     the update is ~1e-2 of parameters of size ~1, each stored to ~6e-8) while the step AdamW
     took had a vertical fraction > 1e-3 (logged)."""
@@ -188,7 +188,7 @@ def test_projection_callback_equals_the_projected_optimizer(tmp_path):
     ta = trainer(a, arguments(tmp_path / "cb", steps=6, logging_steps=100), callbacks=[Horizontal(log_every=3)])
     ta.train()
     b = tiny_llama()
-    trainer(b, arguments(tmp_path / "opt", steps=6), optimizer=gaugeopt.GaugeProjected(condition_b(b), b)).train()
+    trainer(b, arguments(tmp_path / "opt", steps=6), optimizer=gaugeopt.GaugeOptimizer(condition_b(b), b)).train()
     ref = dict(b.named_parameters())
     for n, p in a.named_parameters():
         assert torch.equal(p, ref[n]), n
@@ -239,10 +239,10 @@ def test_refusals(tmp_path):
     with pytest.raises(GaugeError, match="RoPE"):
         trainer(tiny_llama(), arguments(tmp_path), callbacks=[GaugeFixCallback(granularity="channel")])
     model = tiny_llama()
-    fixing = gaugeopt.GaugeProjected(condition_b(model), model, project=None, fix_every=5)
+    fixing = gaugeopt.GaugeOptimizer(condition_b(model), model, project=None, fix_every=5)
     with pytest.raises(GaugeError, match="fixed twice"):
         trainer(model, arguments(tmp_path, steps=2), callbacks=[GaugeFixCallback(every=5)], optimizer=fixing).train()
-    projecting = gaugeopt.GaugeProjected(condition_b(model), model)
+    projecting = gaugeopt.GaugeOptimizer(condition_b(model), model)
     with pytest.raises(GaugeError, match="projected twice"):
         trainer(model, arguments(tmp_path, steps=2), callbacks=[GaugeProjectionCallback()], optimizer=projecting).train()
     with pytest.raises(GaugeError, match="undo the fixes"):

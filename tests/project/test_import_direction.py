@@ -114,7 +114,7 @@ def test_the_checker_sees_violations(tmp_path):
     (pkg / "kernels").mkdir()
     (pkg / "fix" / "bad.py").write_text(
         "from ..projection import sylvester\n"
-        "def f():\n    from gaugeopt.integrations.optim import GaugeProjected\n"
+        "def f():\n    from gaugeopt.integrations.optim import GaugeOptimizer\n"
     )
     (pkg / "kernels" / "bad.py").write_text("import gaugeopt.structure.site\n")
     found = _violations(pkg)

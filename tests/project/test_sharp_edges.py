@@ -92,8 +92,8 @@ def test_gauge_projected_builds_itself_with_the_public_optimizer_constructor(mon
     monkeypatch.setattr(torch.optim.Optimizer, "__init__", spy)
     model = _tiny()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    wrapped = gaugeopt.GaugeProjected(inner, model)
-    assert "GaugeProjected" in seen and wrapped._added_by_a_future_torch
+    wrapped = gaugeopt.GaugeOptimizer(inner, model)
+    assert "GaugeOptimizer" in seen and wrapped._added_by_a_future_torch
     assert wrapped.param_groups is inner.param_groups and wrapped.state is inner.state  # the placeholder is gone
     assert [p for g in wrapped.param_groups for p in g["params"]] == list(model.parameters())
 

@@ -236,6 +236,6 @@ def test_mode_names_are_checked_in_one_place():
         with pytest.raises(GaugeError, match="mode"):
             GaugeProjector(model, mode=bad)
         with pytest.raises(GaugeError, match="mode"):
-            gaugeopt.GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.1), model, mode=bad)
+            gaugeopt.GaugeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, mode=bad)
     with pytest.raises(GaugeError, match="approx_iters"):
         GaugeProjector(model, mode="approx", approx_iters=0)

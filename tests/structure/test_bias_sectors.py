@@ -174,7 +174,7 @@ def test_key_bias_sector_is_refused_under_full_rope():
 
 
 def test_gauge_projected_steps_have_no_bias_sector_part():
-    """The update GaugeProjected(sectors="all") applies has no vertical part in the bias sectors (an
+    """The update GaugeOptimizer(sectors="all") applies has no vertical part in the bias sectors (an
     unprojected AdamW step has some); the function-changing part of the step is what remains. The share
     of the step in them is what "auto" gives up by leaving the value-bias trade out."""
     case = zoo.build("gpt", 3)
@@ -185,7 +185,7 @@ def test_gauge_projected_steps_have_no_bias_sector_part():
         m = case.copy()
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
         if wrap:
-            opt = gaugeopt.GaugeProjected(opt, m, sectors="all")
+            opt = gaugeopt.GaugeOptimizer(opt, m, sectors="all")
         before = {n: p.detach().clone() for n, p in m.named_parameters()}
         _, loss = m(x, x)
         loss.backward()
@@ -195,5 +195,5 @@ def test_gauge_projected_steps_have_no_bias_sector_part():
     for wrap, test in ((False, lambda f: f > 1e-3), (True, lambda f: f <= 1e-10)):
         step = update(wrap)
         fracs = {k: gaugeopt.vertical_fraction(model, step, sectors=(k,)) for k in ("key_bias", "value_bias")}
-        print(f"GaugeProjected={wrap}: bias-sector vertical fractions of the step {fracs}")
+        print(f"GaugeOptimizer={wrap}: bias-sector vertical fractions of the step {fracs}")
         assert all(test(f) for f in fracs.values()), fracs

@@ -262,12 +262,12 @@ def test_projection_equals_least_squares_over_independent_generators(name, cases
 
 @pytest.mark.parametrize("name", ["hf_deepseek_v3", "litgpt_mla"])
 def test_gauge_projected_step_is_horizontal_and_removes_only_directions_that_keep_the_function(name, cases):
-    """GaugeProjected(AdamW): every applied update is horizontal; what it removed from AdamW's update is
+    """GaugeOptimizer(AdamW): every applied update is horizontal; what it removed from AdamW's update is
     vertical — moving along it changes the logits only at second order (first-order change ≤ 1e-12)."""
     case = cases(name)
     model = case.copy().train()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    opt = gaugeopt.GaugeProjected(inner, model, sectors="all")
+    opt = gaugeopt.GaugeOptimizer(inner, model, sectors="all")
     plain_model = case.copy().train()
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, weight_decay=0.1)
     with H.float64_steps():

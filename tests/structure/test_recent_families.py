@@ -2,7 +2,7 @@
 
 Every family added with them (gpt-oss, Llama 4, SmolLM3, Granite, Cohere, GLM-4, Qwen3-MoE, ModernBERT,
 RoBERTa and Electra, Phi ``qk_layernorm``, torchtitan ``qk_norm``): ``gauge_fix`` keeps the function, and
-a ``GaugeProjected`` step removes only vertical directions — the part it takes out of a step moves the
+a ``GaugeOptimizer`` step removes only vertical directions — the part it takes out of a step moves the
 function at second order only, while a random direction of the same size moves it at first order.
 Then the derivations: attention sinks remove the bias sectors and tie the sinks to their heads;
 Llama 4's weight-free norm leaves only rotations of W_Q/W_K; the refusals say why. The exactness of
@@ -61,7 +61,7 @@ def _step(model, grads, wrap: bool) -> dict[str, torch.Tensor]:
     m = copy.deepcopy(model)
     opt = torch.optim.SGD(m.parameters(), lr=1.0)
     if wrap:
-        opt = gaugeopt.GaugeProjected(opt, m, sectors="all")
+        opt = gaugeopt.GaugeOptimizer(opt, m, sectors="all")
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
     for n, p in m.named_parameters():
         p.grad = grads[n].clone()
@@ -83,7 +83,7 @@ def _moved(case, direction: dict[str, torch.Tensor], eps: float) -> float:
 
 @pytest.mark.parametrize("name", NEW)
 def test_gauge_projected_step_removes_only_vertical_directions(name):
-    """SGD fed a random gradient, with and without GaugeProjected: the applied step is horizontal (vertical
+    """SGD fed a random gradient, with and without GaugeOptimizer: the applied step is horizontal (vertical
     fraction ≤ 1e-10) and what the projection removed is vertical — along it the function moves by
     O(ε²), while a random direction of the same length moves it by O(ε) (ε = 1e-4: measured 2e-11–3e-9
     against 5e-6–1e-5 in float64; families with a float32 step of their own reach their rounding, ≤ 1e-7)."""

@@ -200,14 +200,14 @@ def _fix_steps(m):
 
 
 def _projected_fix(m):
-    opt = gaugeopt.GaugeProjected(torch.optim.SGD(m.parameters(), lr=0.0), m, project=None, fix_every=1,
+    opt = gaugeopt.GaugeOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m, project=None, fix_every=1,
                                   fix_kwargs={"mode": "plain"})
     opt.step()
     return m
 
 
 def _projected_update(m):
-    opt = gaugeopt.GaugeProjected(torch.optim.SGD(m.parameters(), lr=0.0), m)
+    opt = gaugeopt.GaugeOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), m)
     opt.step()
     return None
 
@@ -217,8 +217,8 @@ ENTRY_POINTS = {
     "gauge_fix": lambda m: (gaugeopt.gauge_fix(m, torch.optim.AdamW(m.parameters()), mode="plain"), m)[1],
     "GaugeFixer": lambda m: (gaugeopt.GaugeFixer(m, vo=True, mode="plain")(), m)[1],
     "GaugeProjector": lambda m: gaugeopt.GaugeProjector(m).project({n: torch.ones_like(p) for n, p in m.named_parameters()}) and None,
-    "GaugeProjected(fix_every)": _projected_fix,
-    "GaugeProjected(project)": _projected_update,
+    "GaugeOptimizer(fix_every)": _projected_fix,
+    "GaugeOptimizer(project)": _projected_update,
     "step core (callbacks)": _fix_steps,
     "canonicalize": lambda m: gaugeopt.canonicalize(m).model,
     "equivalent": lambda m: gaugeopt.equivalent(m, m) and None,
@@ -446,7 +446,7 @@ def test_surgery_after_a_fixer_is_built_is_followed():
 
 def test_surgery_with_a_hook_after_set_up_is_refused_at_the_next_use():
     model = _llama()
-    opt = gaugeopt.GaugeProjected(torch.optim.SGD(model.parameters(), lr=0.0), model, project=None, fix_every=1)
+    opt = gaugeopt.GaugeOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), model, project=None, fix_every=1)
     opt.step()
     q_steering(model, None)
     before = _params(model)
@@ -507,7 +507,7 @@ def test_projected_wrapper_never_moves_frozen_tensors():
     for p in frozen.values():
         p.requires_grad_(False)
     before = {n: p.detach().clone() for n, p in frozen.items()}
-    opt = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2), model, sectors="all")
+    opt = gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, sectors="all")
     _train(model, opt)
     assert all(torch.equal(before[n], p) for n, p in frozen.items())
     assert any("transformer.h.0.attn" in f for f in opt.projector.frozen)
@@ -552,7 +552,7 @@ def test_one_nan_gradient_entry_is_not_spread_by_the_projection():
     plain = _gpt(lrm=False)
     wrapped = copy.deepcopy(plain)
     _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2), steps=1, hook=poison)
-    opt = gaugeopt.GaugeProjected(torch.optim.AdamW(wrapped.parameters(), lr=1e-2), wrapped)
+    opt = gaugeopt.GaugeOptimizer(torch.optim.AdamW(wrapped.parameters(), lr=1e-2), wrapped)
     with pytest.warns(RuntimeWarning, match="not projected"):
         _train(wrapped, opt, steps=1, hook=poison)
     assert _nan_count(plain.parameters()) == 1

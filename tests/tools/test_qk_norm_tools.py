@@ -112,10 +112,10 @@ def test_sector_choice_and_refusals():
 
 
 def test_projected_optimizer_step_is_horizontal():
-    """GaugeProjected on a QK-norm model: every applied update is horizontal (float64: ≤ 1e-12)."""
+    """GaugeOptimizer on a QK-norm model: every applied update is horizontal (float64: ≤ 1e-12)."""
     case = zoo.build("gpt_qknorm")
     model = case.model.train()
-    opt = gaugeopt.GaugeProjected(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    opt = gaugeopt.GaugeOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
     for _ in range(3):
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         loss = model(case.inputs, case.inputs.roll(-1, 1))[1]
