@@ -19,7 +19,7 @@ from gaugeopt.integrations.clip import ClipSteps
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps
 from gaugeopt.models import GPT, GPTConfig
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _model():
