@@ -116,7 +116,7 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.kernels import dispatch
-from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.models.lrm import LRMLinear
 from gaugeopt.projection import joint
 from gaugeopt.projection.bias import BiasShiftSector
 from gaugeopt.projection.context import Context, Decomposition, Tensors, accessor, names_of, vertical_family

@@ -79,7 +79,7 @@ heads against the one shared key. The head order adds the RoPE circuit energy ``
 to the QK key, and heads move with their RoPE query rows.
 
 **Learnable multipliers.** The gauge acts on the effective weights ``diag(r)·W̄·diag(c)``.
-With ``fold_multipliers=True`` (default) every :class:`~gaugeopt.structure.lrm.LRMLinear` is first
+With ``fold_multipliers=True`` (default) every :class:`~gaugeopt.models.lrm.LRMLinear` is first
 folded (``W̄ ← diag(r)W̄diag(c)``, ``b̄ ← r⊙b̄``, ``r = c = 1``), which also removes the
 internal ``r·W̄·c`` rescalings, so the stored parameters are canonical. With ``False`` the
 multipliers keep their values (head sorting moves them with their heads) and only the
@@ -112,7 +112,7 @@ from gaugeopt.structure.actions import act_qk, act_vo, permute_heads, scale_qk_g
 from gaugeopt.structure.latent import act_qk_rope, rotate_latent, scale_latent_gain
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.drift import read_mean_squares, slot_rms
-from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.models.lrm import LRMLinear
 from gaugeopt.structure.pair import query_rows
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite

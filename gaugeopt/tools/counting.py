@@ -296,7 +296,7 @@ def _qk_norm_counts(s: LayerShape, ignore_rope: bool) -> dict[str, int]:
 def _lrm_internal(model: Any) -> int:
     if not isinstance(model, nn.Module):
         return 0
-    from gaugeopt.structure.lrm import LRMLinear
+    from gaugeopt.models.lrm import LRMLinear
 
     return sum(m.internal_gauge_dim for m in model.modules() if isinstance(m, LRMLinear))
 
