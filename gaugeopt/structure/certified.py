@@ -8,7 +8,9 @@ its module under its :func:`proof_key`:
   reference, relative to the module, so a wrapper's prefix does not matter), and
 * what the module runs (:func:`behaviour_key`): the class of every module inside it, the code
   of every ``forward``, method, helper and kernel the static checks looked at
-  (:mod:`gaugeopt.structure.static_checks`), and the read-only hooks the proof ran with.
+  (:mod:`gaugeopt.structure.static_checks`), and the read-only hooks the proof ran with;
+* the sector registry as it was (:func:`gaugeopt.structure.sectors.generation`): a new sector is
+  proved before anything uses it.
 
 The stamp travels with the module (``copy.deepcopy``, ``torch.compile``, DDP wrappers and FSDP2's
 sharding keep it; pickling keeps it but a new process computes other keys, so it proves again)
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from gaugeopt.structure.sectors.registry import generation
 from gaugeopt.structure.site import AttentionSite, TensorRef
 from gaugeopt.structure.static_checks import is_allowed_hook, site_bindings
 
@@ -85,8 +88,11 @@ def behaviour_key(site: AttentionSite) -> tuple:
 
 
 def proof_key(site: AttentionSite) -> tuple:
-    """The key a proof of ``site`` is stamped under: ``(fingerprint, behaviour_key)``."""
-    return fingerprint(site), behaviour_key(site)
+    """The key a proof of ``site`` is stamped under: ``(fingerprint, behaviour_key, registry generation)``.
+
+    The last part is :func:`gaugeopt.structure.sectors.generation`: a proof covers the sectors registered when
+    it ran, so registering or removing a sector (or a named control) makes every record prove again."""
+    return fingerprint(site), behaviour_key(site), generation()
 
 
 def stamp(site: AttentionSite, how: str = "proved") -> None:

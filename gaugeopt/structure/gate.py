@@ -56,6 +56,7 @@ from gaugeopt.structure.certificate import certify_calls, certify_with
 from gaugeopt.structure.certified import fingerprint, how_certified, stamp, unproved
 from gaugeopt.structure.examples import example_forward
 from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure.sectors.registry import generation
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.static_checks import check_static, site_bindings, site_modules
 
@@ -73,7 +74,8 @@ class Snapshot:
     :meth:`holds` is false as soon as any of these changed: the module at each record's path from the
     root, the submodules of each attention module (and their classes, instance ``forward``, forward
     hooks and pre-hooks), the parameter objects the records name and whether they are trainable, the
-    code bindings of the static checks, and the global module hooks.
+    code bindings of the static checks, the global module hooks, and the sector registry (a sector
+    registered or removed: :func:`gaugeopt.structure.sectors.generation`).
     """
 
     def __init__(self, root: nn.Module | None, sites: Sequence[AttentionSite]) -> None:
@@ -107,8 +109,11 @@ class Snapshot:
         self._classes = [(m, type(m)) for s in sites for _, m in site_modules(s)]
         self._same = same
         self._keys = keys
+        self._generation = generation()
 
     def holds(self) -> bool:
+        if generation() != self._generation:
+            return False
         for d, key, obj in self._same:
             if d.get(key, _MISSING) is not obj:
                 return False
