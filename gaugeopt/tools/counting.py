@@ -213,6 +213,14 @@ def _site_shape(s) -> LayerShape:
                       s.v.bias is not None, s.o.bias is not None, s.sinks is not None, bool(s.qk_orthogonal), latent)
 
 
+def _gemma3_text(cfg: Any) -> Any:
+    """The language model's config inside a multimodal Gemma 3 config (its ``text_config``)."""
+    text = _get(cfg, "text_config")
+    if text is None:
+        raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
+    return text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"}
+
+
 def layer_shapes(model_or_config: Any) -> list[LayerShape]:
     """Per-layer head structure of a model (via :func:`gaugeopt.find_attention`) or a config.
 
@@ -235,11 +243,8 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
         shape = LayerShape(cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, cfg.n_embd, rope, norm, b, b, b, b)
         return [shape] * cfg.n_layer
     model_type = _get(cfg, "model_type")
-    if model_type == "gemma3":  # the multimodal config keeps the language model's in text_config
-        text = _get(cfg, "text_config")
-        if text is None:
-            raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
-        return layer_shapes(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
+    if model_type == "gemma3":
+        return layer_shapes(_gemma3_text(cfg))
     if model_type in _DEEPSEEK:
         return [_deepseek_layer(cfg, model_type)] * _get(cfg, "num_hidden_layers")
     if model_type == "gpt2":
@@ -312,11 +317,8 @@ def stream_shape(model_or_config: Any) -> StreamShape:
         return StreamShape(_get(cfg, "n_layer", "num_hidden_layers"), d, _get(cfg, "n_inner") or 4 * d, _get(cfg, "vocab_size"),
                            _get(cfg, "n_positions"), "layernorm", act, bool(_get(cfg, "tie_word_embeddings", default=True)),
                            True, True, True)
-    if model_type == "gemma3":  # the multimodal config keeps the language model's in text_config
-        text = _get(cfg, "text_config")
-        if text is None:
-            raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
-        return stream_shape(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
+    if model_type == "gemma3":
+        return stream_shape(_gemma3_text(cfg))
     if model_type in _STREAM_LAYOUTS:
         act_key, default_act, pre, post, tied = _STREAM_LAYOUTS[model_type]
         act = _get(cfg, act_key, default=default_act)
