@@ -35,8 +35,7 @@ from gaugeopt.projection.projector import GaugeProjector
 from gaugeopt.structure.rope import RopeSpec
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.registry import find_attention, register_adapter
-from gaugeopt.structure.linears import site_from_linears
-from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
+from gaugeopt.structure.spec import AttentionSpec, QKNormSpec, site_from_linears
 from gaugeopt.structure.certificate import CertificateReport, certify
 from gaugeopt.structure.gate import assume_certified
 from gaugeopt.structure.static_checks import read_only_hook

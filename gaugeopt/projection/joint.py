@@ -55,31 +55,63 @@ import torch
 
 from gaugeopt.projection.cg import HostScalars, pcg
 from gaugeopt.projection.context import Context, names_of, vertical_family
+from gaugeopt.structure import sectors
 
 __all__ = ["FAMILIES", "OVERLAPPING", "REDUNDANT", "components", "qk_with_key_bias", "joint_component", "joint_solve"]
 
-# Families of mutually disjoint sectors (their projections add up); the families overlap one another.
-# The joint projection eliminates the last family present exactly and solves for the others by CG.
-FAMILIES = (("qk", "vo", "lrm_qk", "lrm_vo", "qk_gain", "qk_rope"), ("key_bias", "value_bias"), ("lrm_internal",))
-OVERLAPPING = ("lrm_internal",)
-REDUNDANT = {"lrm_qk": "qk", "lrm_vo": "vo"}  # with lrm_internal present, the key's span lies in the value's + internal
+# What the joint projection needs to know about the sectors is derived from the registry
+# (gaugeopt.structure.sectors): two sectors share parameter entries when the roles their Projection
+# moves intersect; FAMILIES are first-fit groups of mutually disjoint sectors in registration order,
+# with the sectors marked ``last`` (they overlap every other family) in a family of their own at the end;
+# REDUNDANT maps a sector to the one beside which (and the ``last`` family) its span is redundant.
+_DERIVED: dict = {"generation": None}
 
-# Which sectors share parameter entries (the rest touch disjoint entries: their spans are orthogonal).
-_SHARES = {frozenset(p) for p in (("qk", "key_bias"), ("vo", "value_bias"))} | {
-    frozenset(("lrm_internal", s)) for s in ("qk", "vo", "lrm_qk", "lrm_vo", "key_bias", "value_bias", "qk_rope")}
+
+def _projectable() -> list:
+    return [s for s in sectors.sectors() if s.projection is not None]
+
+
+def _derived() -> dict:
+    if _DERIVED["generation"] != sectors.generation():
+        secs = _projectable()
+        moves = {s.name: s.projection.moves for s in secs}
+        shares = {frozenset((a, b)) for a in moves for b in moves if a != b and moves[a] & moves[b]}
+        families: list[list[str]] = []
+        for s in secs:
+            if s.projection.last:
+                continue
+            fam = next((f for f in families if all(frozenset((s.name, t)) not in shares for t in f)), None)
+            if fam is None:
+                families.append(fam := [])
+            fam.append(s.name)
+        last = [s.name for s in secs if s.projection.last]
+        _DERIVED.update(generation=sectors.generation(), shares=shares,
+                        families=tuple(tuple(f) for f in families) + ((tuple(last),) if last else ()),
+                        overlapping=tuple(last),
+                        redundant={s.name: s.projection.redundant_with for s in secs if s.projection.redundant_with})
+    return _DERIVED
+
+
+def __getattr__(name: str):
+    """``FAMILIES``, ``OVERLAPPING`` and ``REDUNDANT``, derived from the sector registry when read."""
+    key = {"FAMILIES": "families", "OVERLAPPING": "overlapping", "REDUNDANT": "redundant"}.get(name)
+    if key is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _derived()[key]
 
 
 def components(secs: Sequence[str]) -> list[list[list[str]]]:
     """The requested sectors as connected components of the sharing relation, each split into the
     :data:`FAMILIES` it meets (in that order): one family — a direct projection; several — a joint one."""
+    d = _derived()
     comps: list[set[str]] = []
     for s in secs:
-        joined = [c for c in comps if any(frozenset((s, t)) in _SHARES for t in c)]
+        joined = [c for c in comps if any(frozenset((s, t)) in d["shares"] for t in c)]
         merged = {s}.union(*joined)
         comps = [c for c in comps if c not in joined] + [merged]
     out = []
     for c in comps:
-        fams = [[s for s in fam if s in c] for fam in FAMILIES]
+        fams = [[s for s in fam if s in c] for fam in d["families"]]
         out.append([f for f in fams if f])
     return out
 
@@ -122,15 +154,18 @@ def joint_component(ctx: Context, impl: dict, families: list[list[str]], work: d
         strict: warn when the solve stops above ``tol`` (not in ``"approx"`` mode, where stopping
             early is the point).
     """
-    if "lrm_internal" in families[-1]:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same
-        families = [[s for s in fam if REDUNDANT.get(s) not in fam] for fam in families]  # span, better conditioned
-    prepared = [[(impl[s], impl[s].prepare(ctx)) for s in fam if s != "lrm_internal"] for fam in families]
+    d = _derived()
+    last = [s for s in families[-1] if s in d["overlapping"]]
+    if last:  # span(lrm_qk) ⊂ span(qk) + span(lrm_internal) (likewise vo): same span, better conditioned
+        families = [[s for s in fam if d["redundant"].get(s) not in fam] for fam in families]
+    prepared = [[(impl[s], impl[s].prepare(ctx)) for s in fam if s not in last] for fam in families]
     outer = None
-    if "lrm_internal" in families[-1]:
+    if last:
+        assert len(last) == 1, f"one sector marked last per projection, not {last}"
         # lrm_internal units outside the other families' support (the MLP's LRM layers) are orthogonal
         # to everything else: projected once, outside the joint CG, whose vectors then span attention only
         others = {n for fam in families[:-1] for s in fam for n in names_of(impl[s])}
-        inner, outer = impl["lrm_internal"].split(others)
+        inner, outer = impl[last[0]].split(others)
         prepared[-1] = [(inner, inner.prepare(ctx))] if inner.units() else []
     prepared = [fam for fam in prepared if fam]
     names = dict.fromkeys(n for fam in prepared for sec, _ in fam for n in names_of(sec))

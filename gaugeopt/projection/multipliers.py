@@ -63,7 +63,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.models.lrm import LRMLinear
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.projection.cg import batched_pcg
@@ -226,7 +226,7 @@ class InternalSector:
                 InternalSector([(n, m) for n, m in self.modules if not touches(n, m)], self.param_name))
 
     def dimension(self) -> int:
-        """Number of generators: :attr:`~gaugeopt.structure.lrm.LRMLinear.internal_gauge_dim` per layer."""
+        """Number of generators: :attr:`~gaugeopt.models.lrm.LRMLinear.internal_gauge_dim` per layer."""
         return sum(m.internal_gauge_dim for _, m in self.modules)
 
     def _blocks(self, acc) -> list[_Block]:

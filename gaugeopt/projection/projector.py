@@ -116,24 +116,47 @@ import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.kernels import dispatch
-from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.models.lrm import LRMLinear
 from gaugeopt.projection import joint
 from gaugeopt.projection.bias import BiasShiftSector
 from gaugeopt.projection.context import Context, Decomposition, Tensors, accessor, names_of, vertical_family
 from gaugeopt.projection.multipliers import DiagonalSector, InternalSector
 from gaugeopt.projection.dense import DenseSector
 from gaugeopt.projection.routing import KernelRoute
+from gaugeopt.structure import sectors as sector_registry
 from gaugeopt.structure.gate import Gate
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.projection.sylvester import default_cg_tol, default_rtol
 
-__all__ = ["SECTORS", "OPT_IN", "MODES", "check_mode", "GaugeProjector", "Decomposition", "horizontal"]
+__all__ = ["SECTORS", "OPT_IN", "MODES", "check_mode", "projectable", "opt_in", "GaugeProjector", "Decomposition",
+           "horizontal"]
 
-SECTORS = ("qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias", "qk_rope")
-# Sectors "auto" leaves out and "all" includes: the value-bias trade couples V/O to the output bias,
-# and projecting {vo, value_bias} jointly costs ~10 CG iterations of the vo sector (~9x the head gauges
-# on a GPT-2 layer) for ~3% of an AdamW update's norm (tests/structure/test_bias_sectors.py measures both).
-OPT_IN = ("value_bias",)
+# The projectable sectors and the ones "auto" leaves out are the sector registry's
+# (gaugeopt.structure.sectors: a Sector with a Projection; opt_in=True): read as SECTORS and OPT_IN.
+# value_bias is opt-in: the value-bias trade couples V/O to the output bias, and projecting {vo, value_bias}
+# jointly costs ~10 CG iterations of the vo sector (~9x the head gauges on a GPT-2 layer) for ~3% of an
+# AdamW update's norm (tests/structure/test_bias_sectors.py measures both).
+
+
+def projectable() -> tuple[str, ...]:
+    """The names of the registered sectors the projector can remove, in registration order."""
+    return tuple(s.name for s in sector_registry.sectors() if s.projection is not None)
+
+
+def opt_in() -> tuple[str, ...]:
+    """The projectable sectors ``"auto"`` leaves out and ``"all"`` includes."""
+    return tuple(s.name for s in sector_registry.sectors() if s.projection is not None and s.projection.opt_in)
+
+
+def __getattr__(name: str):
+    """``SECTORS`` and ``OPT_IN``: :func:`projectable` and :func:`opt_in` when read."""
+    if name == "SECTORS":
+        return projectable()
+    if name == "OPT_IN":
+        return opt_in()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 MODES = ("exact", "approx", "paper000")
 
 
@@ -212,32 +235,19 @@ class GaugeProjector:
             lrm_modules = [(n, m) for n, m in lrm_modules if id(m) in owners or any(id(p) in owners for p in m.parameters())]
         self.frozen: list[str] = []  # (sector, unit) pairs left out because they would move a frozen tensor
         keep = self._trainable if trainable_only else (lambda kind, units, make: units)
-        # a layer whose Q/K gauge is only the rotations of its RoPE planes (an L2 Q/K norm, Llama 4) has no dense
-        # qk sector when it also has channels RoPE leaves alone (no model in use does; docs/projection.md)
-        dense = [s for s in self.sites if s.qk_norm is None and not (s.qk_orthogonal and s.rope.rotary_dim < s.d_k)]
-        impl = {
-            "qk": DenseSector("qk", keep("qk", dense, lambda u: DenseSector("qk", u)), approx_iters=approx_iters),
-            "vo": DenseSector("vo", keep("vo", self.sites, lambda u: DenseSector("vo", u)), approx_iters=approx_iters),
-            "lrm_qk": DiagonalSector("lrm_qk", keep("lrm_qk", self.sites, lambda u: DiagonalSector("lrm_qk", u))),
-            "lrm_vo": DiagonalSector("lrm_vo", keep("lrm_vo", self.sites, lambda u: DiagonalSector("lrm_vo", u))),
-            "lrm_internal": InternalSector(keep("lrm_internal", lrm_modules, lambda u: InternalSector(u, pname)), pname),
-            "qk_gain": DiagonalSector("qk_gain", keep("qk_gain", self.sites, lambda u: DiagonalSector("qk_gain", u))),
-            "key_bias": BiasShiftSector("key_bias", keep("key_bias", self.sites, lambda u: BiasShiftSector("key_bias", u))),
-            "value_bias": BiasShiftSector("value_bias",
-                                          keep("value_bias", self.sites, lambda u: BiasShiftSector("value_bias", u))),
-            "qk_rope": DenseSector("qk_rope", keep("qk_rope", [s for s in self.sites if s.latent is not None],
-                                                   lambda u: DenseSector("qk_rope", u)), approx_iters=approx_iters),
-        }
-        available = tuple(k for k in SECTORS if impl[k].units())
+        impl = {sec.name: self._build(sec, keep, lrm_modules, pname) for sec in sector_registry.sectors()
+                if sec.projection is not None}
+        known, optional = projectable(), opt_in()
+        available = tuple(k for k in known if impl[k].units())
         if sectors == "all":
             chosen = available
         elif sectors == "auto":
-            chosen = tuple(k for k in available if k not in OPT_IN)
+            chosen = tuple(k for k in available if k not in optional)
         else:
             chosen = (sectors,) if isinstance(sectors, str) else tuple(sectors)
-            bad = [s for s in chosen if s not in SECTORS]
+            bad = [s for s in chosen if s not in known]
             if bad:
-                raise GaugeError(f"GaugeProjector: unknown sectors {bad}; valid sectors are {SECTORS}, 'auto' or 'all'")
+                raise GaugeError(f"GaugeProjector: unknown sectors {bad}; valid sectors are {known}, 'auto' or 'all'")
             missing = [s for s in chosen if s not in available]
             if missing:
                 raise GaugeError(
@@ -267,6 +277,25 @@ class GaugeProjector:
         self.route = KernelRoute(self.sites, self._params, self._device, backend)
 
     # ------------------------------------------------------------------ structure
+    def _build(self, sec, keep, lrm_modules: list, pname: dict[int, str]):
+        """The solver object of one registered sector (its :class:`~gaugeopt.structure.sectors.Projection`):
+        over the records it applies to, or over the LRM layers, less the frozen units when asked."""
+        p, name = sec.projection, sec.name
+        if p.units == "lrm_layers":
+            units = lrm_modules
+        else:
+            units = [s for s in self.sites if p.sites is None or p.sites(s)]
+        if callable(p.solver):  # a sector that brings its own solver
+            options = dict(approx_iters=self.approx_iters, param_names=pname)
+            return p.solver(name, keep(name, units, lambda u: p.solver(name, u, options)), options)
+        if p.solver == "dense":
+            return DenseSector(name, keep(name, units, lambda u: DenseSector(name, u)), approx_iters=self.approx_iters)
+        if p.solver == "diagonal":
+            return DiagonalSector(name, keep(name, units, lambda u: DiagonalSector(name, u)))
+        if p.solver == "internal":
+            return InternalSector(keep(name, units, lambda u: InternalSector(u, pname)), pname)
+        return BiasShiftSector(name, keep(name, units, lambda u: BiasShiftSector(name, u)))  # "bias_shift"
+
     def _sector_names(self, sector: str) -> list[str]:
         return names_of(self._impl[sector])
 

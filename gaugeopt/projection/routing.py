@@ -35,7 +35,7 @@ from typing import Mapping, Sequence
 import torch
 
 from gaugeopt.kernels import dispatch
-from gaugeopt.projection.joint import OVERLAPPING
+from gaugeopt.projection import joint
 from gaugeopt.projection.triton_backend import FUSED_SECTORS, fused_refs, unsupported_reason
 from gaugeopt.structure.site import AttentionSite
 
@@ -65,7 +65,7 @@ class KernelRoute:
     def split(self, given: Mapping[str, torch.Tensor | None], secs: tuple[str, ...], *, at, dtype) -> tuple[
             list[str], tuple[str, ...]]:
         """``(fused, rest)``: the sectors the kernel projects now, and the others (torch, in order)."""
-        if at is not None or dtype is not None or any(s in OVERLAPPING for s in secs):
+        if at is not None or dtype is not None or any(s in joint.OVERLAPPING for s in secs):
             return [], secs
         candidates = tuple(s for s in secs if s in FUSED_SECTORS and not (s == "qk" and "key_bias" in secs))
         if not candidates:

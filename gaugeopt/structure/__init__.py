@@ -20,11 +20,10 @@
 * :mod:`.adapters` — the built-in adapters.
 """
 
-from gaugeopt.structure.linears import site_from_linears
 from gaugeopt.structure.registry import find_attention, register_adapter
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 from gaugeopt.structure.site import AttentionSite, Projection, TensorRef
-from gaugeopt.structure.spec import AttentionSpec, QKNormSpec
+from gaugeopt.structure.spec import AttentionSpec, QKNormSpec, site_from_linears
 from gaugeopt.structure.certificate import CertificateReport, certify
 
 __all__ = [

@@ -60,19 +60,14 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.actions import (
-    _log_uniform,
-    apply_invalid,
-    apply_valid,
-    permute_heads,
-    random_lrm_internal,
-    relative_change,
-)
+from gaugeopt.structure.capture import Call, CallRecorder, _first_tensor, _to_float64, release_capture
 from gaugeopt.structure.certified import stamp
+from gaugeopt.structure.group_actions import relative_change
 from gaugeopt.structure.invariance import randomize_parameters
-from gaugeopt.structure.lrm import LRMLinear
 from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure import sectors
 from gaugeopt.structure.site import AttentionSite, Projection, QKNorm, TensorRef
+from gaugeopt.structure.static_checks import check_static, is_infrastructure_hook
 
 __all__ = [
     "VALID_TOL", "FLOAT32_TOL", "CONTROL_MIN", "SectorCheck", "LayerCertificate", "CertificateReport",
@@ -82,13 +77,6 @@ __all__ = [
 VALID_TOL = 1e-10
 FLOAT32_TOL = 1e-6
 CONTROL_MIN = 1e-3
-# The sectors that rescale, rotate or reorder queries and keys, or shift the scores or the values: the ones a
-# float32 step in q·kᵀ, RoPE, a Q/K norm (whose mean over all heads' channels a head permutation reorders) or the
-# softmax (whose rows then sum to one only to float32 rounding) can see.
-_QK_SECTORS = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias", "value_bias")
-# Multi-head latent attention (docs/mla.md): every sector either rotates the shared RoPE key or sits behind a latent
-# RMSNorm, which its implementations compute in float32 even in a float64 model.
-_LATENT_FLOAT32_SECTORS = ("qk_rope", "latent_rotation", "latent_gain")
 # How closely a float64 rerun must reproduce the module's output in the model's own forward, by dtype.
 _RERUN_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
@@ -157,148 +145,7 @@ class CertificateReport:
         return "\n".join(rows)
 
 
-# ---------------------------------------------------------------------- capture
-@dataclass
-class Call:
-    """One recorded call of an attention module: its arguments (snapshots), output, mode, and the
-    autocast dtype it ran under (``None`` without autocast)."""
-
-    args: tuple
-    kwargs: dict
-    output: torch.Tensor | None
-    training: bool
-    autocast: torch.dtype | None = None
-
-
-def _autocast_dtype(args: Any) -> torch.dtype | None:
-    """The autocast dtype active for the device of the first tensor in ``args`` (``None`` if off)."""
-    t = _first_tensor(args)
-    device = t.device.type if t is not None else "cpu"
-    try:
-        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-    except (RuntimeError, TypeError):  # a device type without autocast
-        return None
-
-
-def _is_cache(obj: Any) -> bool:
-    return type(obj).__name__.endswith("Cache")
-
-
-def _snapshot(obj: Any, memo: dict) -> Any:
-    """Detached copies of the tensors in ``obj`` (each tensor once, shared across calls), key/value
-    caches replaced by ``None`` (a rerun must not read or grow them), anything else by reference."""
-    if isinstance(obj, torch.Tensor):
-        got = memo.get(id(obj))
-        if got is None:  # keep the original alive with its copy: a freed tensor's id may be reused
-            got = memo[id(obj)] = (obj, obj.detach().clone())
-        return got[1]
-    if _is_cache(obj):
-        return None
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_snapshot(x, memo) for x in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_snapshot(x, memo) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _snapshot(v, memo) for k, v in obj.items()}
-    return obj
-
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        for x in out:
-            t = _first_tensor(x)
-            if t is not None:
-                return t
-    if isinstance(out, Mapping):
-        for x in out.values():
-            t = _first_tensor(x)
-            if t is not None:
-                return t
-    return None
-
-
-def _mark(hook):
-    """The recorder's hooks only read: the static checks let them pass, proofs do not count them."""
-    hook._gaugeopt_read_only = True
-    hook._gaugeopt_recorder = True
-    return hook
-
-
-class CallRecorder:
-    """Records the first call of each site's module (a context manager, or :meth:`close`).
-
-    Example:
-        >>> import torch, gaugeopt
-        >>> from gaugeopt.models import GPT, GPTConfig
-        >>> from gaugeopt.structure.certificate import CallRecorder
-        >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8))
-        >>> sites = gaugeopt.find_attention(model)
-        >>> with CallRecorder(sites) as rec:
-        ...     _ = model(torch.randint(0, 32, (1, 8)))
-        >>> sorted(rec.calls), tuple(rec.calls["transformer.h.0.attn"].args[0].shape)
-        (['transformer.h.0.attn', 'transformer.h.1.attn'], (1, 8, 8))
-    """
-
-    def __init__(self, sites: Sequence[AttentionSite]) -> None:
-        self.calls: dict[str, Call] = {}
-        self.names = frozenset(s.name for s in sites)
-        self._memo: dict = {}
-        self._handles = []
-        for site in sites:
-            self._handles.append(site.module.register_forward_pre_hook(self._pre(site), with_kwargs=True))
-            self._handles.append(site.module.register_forward_hook(self._post(site), with_kwargs=True))
-
-    def _pre(self, site: AttentionSite):
-        name, owner = site.name, site.module
-
-        def hook(module, args, kwargs):
-            if module is owner and name not in self.calls:  # not a copy of the module made meanwhile
-                self.calls[name] = Call(_snapshot(args, self._memo), _snapshot(kwargs, self._memo), None, module.training,
-                                        _autocast_dtype(args))
-        return _mark(hook)
-
-    def _post(self, site: AttentionSite):
-        name, owner = site.name, site.module
-
-        def hook(module, args, kwargs, output):
-            call = self.calls.get(name)
-            if module is owner and call is not None and call.output is None:
-                out = _first_tensor(output)
-                call.output = None if out is None else out.detach().clone()
-        return _mark(hook)
-
-    @property
-    def complete(self) -> bool:
-        return all(c.output is not None for c in self.calls.values())
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._memo = {}
-
-    def __enter__(self) -> "CallRecorder":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 # ---------------------------------------------------------------------- one layer
-def _to_float64(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.double() if obj.is_floating_point() else obj
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_float64(x) for x in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_float64(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_float64(v) for k, v in obj.items()}
-    return obj
-
-
 def _rebind(site: AttentionSite, module: nn.Module) -> AttentionSite:
     """The record ``site`` pointing into ``module``, a copy of ``site.module``."""
     paths = {id(m): p for p, m in site.module.named_modules(remove_duplicate=False)}
@@ -336,115 +183,25 @@ def _rebind(site: AttentionSite, module: nn.Module) -> AttentionSite:
                                o=proj_on(site.o), qk_norm=norm, sinks=ref_on(site.sinks), latent=lat)
 
 
-def _lrm_layers(site: AttentionSite) -> list[LRMLinear]:
-    seen: dict[int, LRMLinear] = {}
-    for _, ref in site.refs():
-        if isinstance(ref.owner, LRMLinear):
-            seen.setdefault(id(ref.owner), ref.owner)
-    return list(seen.values())
-
-
 def claimed_sectors(site: AttentionSite) -> list[str]:
-    """The sectors a record claims: ``qk`` — or ``qk_gain``, the norm's gain gauge, with a QK-norm —,
-    ``vo``, ``perm`` (more than one head, and no per-head score term), the bias sectors its biases
-    give it (:attr:`~gaugeopt.AttentionSite.bias_kinds`), the multiplier sectors its learnable
-    multipliers give it, and on multi-head latent attention ``qk_rope``, ``latent_rotation`` and
-    ``latent_gain`` (docs/mla.md)."""
-    out = ["qk" if site.qk_norm is None else "qk_gain", "vo"]
-    if site.latent is not None:
-        out += ["qk_rope", "latent_rotation", "latent_gain"]
-    if site.h > 1 and not site.fixed_head_order:
-        out.append("perm")
-    out += list(site.bias_kinds)
-    if site.qk_norm is None and not site.qk_orthogonal and site.q.row_mult is not None and site.k.row_mult is not None:
-        out.append("lrm_qk")
-    if site.v.row_mult is not None and site.o.col_mult is not None:
-        out.append("lrm_vo")
-    if _lrm_layers(site):
-        out.append("lrm_internal")
-    return out
+    """The sectors a record claims, in the order they are checked: every registered sector that is a
+    symmetry of the record's kind of attention and that it holds (:func:`gaugeopt.structure.sectors.claimed`)
+    — ``qk`` (or ``qk_gain`` with a QK-norm), ``vo``, on multi-head latent attention ``qk_rope``,
+    ``latent_rotation``, ``latent_gain``, ``perm`` (two heads or more, no per-head score term), the bias
+    sectors its biases give it, the multiplier sectors its learnable multipliers give it."""
+    return sectors.claimed(site)
 
 
 @torch.no_grad()
 def _valid(site: AttentionSite, sector: str, g: torch.Generator) -> None:
-    if sector == "lrm_internal":
-        for m in _lrm_layers(site):
-            random_lrm_internal(m, g)
-    elif sector == "perm":
-        kv = torch.randperm(site.h_kv, generator=g)
-        if site.h_kv > 1 and torch.equal(kv, torch.arange(site.h_kv)):
-            kv = kv.roll(1)
-        within = torch.argsort(torch.rand(site.h_kv, site.n_rep, generator=g), dim=1)
-        if site.h_kv == 1:
-            within = within.roll(1, dims=1) if torch.equal(within[0], torch.arange(site.n_rep)) else within
-        permute_heads(site, kv, (kv[:, None] * site.n_rep + within).reshape(-1))
-    else:
-        apply_valid(site, sector, g)
+    """Apply the valid element the certificate uses for ``sector`` (never the identity)."""
+    sectors.sector(sector).prove(site, g)
 
 
 @torch.no_grad()
 def _control(site: AttentionSite, sector: str, g: torch.Generator) -> str:
     """Apply the sector's negative control; returns its name."""
-    if sector == "qk" and site.qk_orthogonal:  # the whole commutant, which the weight-free norm breaks
-        apply_invalid(site, "qk_under_norm", g)
-        return "qk_under_norm"
-    if sector == "qk":
-        kind = "gl_under_rope" if site.rope.active else "asymmetric_qk"
-        apply_invalid(site, kind, g)
-        return kind
-    if sector == "qk_gain":  # the plain-attention Q/K gauge on W_Q/W_K, which the norm breaks
-        apply_invalid(site, "qk_under_norm", g)
-        return "qk_under_norm"
-    if sector == "vo":
-        apply_invalid(site, "vo_mismatch", g)
-        return "vo_mismatch"
-    if sector == "perm" and site.sinks is not None:  # every head moved but its sink logit
-        apply_invalid(site, "sinks_unmoved", g)
-        return "sinks_unmoved"
-    if sector == "perm" and site.latent is not None:  # every head moved but its RoPE query rows
-        apply_invalid(site, "perm_without_rope", g)
-        return "perm_without_rope"
-    if sector == "qk_rope":  # a general GL(r) on the RoPE part, with its true inverse on the shared key
-        apply_invalid(site, "gl_under_rope", g)
-        return "gl_under_rope"
-    if sector == "latent_rotation":
-        apply_invalid(site, "latent_gl", g)
-        return "latent_gl"
-    if sector == "latent_gain":
-        apply_invalid(site, "latent_gain_alone", g)
-        return "latent_gain_alone"
-    if sector == "perm":  # query heads moved, their keys, values and output columns not
-        perm = torch.arange(site.h).roll(1)
-        for role, ref in site.q.refs():
-            if role != "col_mult":
-                v = ref.get()
-                v.copy_(v[perm])
-        return "q_heads_alone"
-    if sector == "key_bias":  # under RoPE the shift on rotated channels; else a key shift that varies per key
-        if site.rope.active:
-            apply_invalid(site, "key_bias_rope", g)
-            return "key_bias_rope"
-        wk, _ = site.effective("k")  # k_j ← k_j + δ (u·x_j)
-        delta = torch.randn(site.h_kv, site.d_k, 1, generator=g, dtype=torch.float64)
-        u = torch.randn(1, 1, wk.shape[-1], generator=g, dtype=torch.float64)
-        site.set_effective("k", wk + (delta * u).to(wk) * wk.norm() / (delta * u).norm().to(wk))
-        return "key_shift_varying"
-    if sector == "value_bias":
-        apply_invalid(site, "value_bias_alone", g)
-        return "value_bias_alone"
-    if sector == "lrm_qk":  # r_Q scaled per plane, r_K not compensated
-        r = site.q.row_mult.get()
-        r.mul_(_log_uniform(r.shape, 0.5, g, torch.float64).to(r))
-        return "r_q_alone"
-    if sector == "lrm_vo":
-        r = site.v.row_mult.get()
-        r.mul_(_log_uniform(r.shape, 0.5, g, torch.float64).to(r))
-        return "r_v_alone"
-    if sector == "lrm_internal":  # W̄ rescaled without the compensating row multipliers
-        for m in _lrm_layers(site):
-            m.weight.mul_(_log_uniform((m.out_features, 1), 0.5, g, torch.float64).to(m.weight))
-        return "w_bar_alone"
-    raise GaugeError(f"certify: unknown sector {sector!r}")
+    return sectors.sector(sector).control(site, g)
 
 
 def _float64_copy(module: nn.Module) -> nn.Module:
@@ -452,8 +209,6 @@ def _float64_copy(module: nn.Module) -> nn.Module:
     full-shape local tensors — their values are replaced by random ones anyway, so no collective is
     needed —, and hooks that only move shards or record calls (FSDP2's, gaugeopt's own) are dropped;
     a user's hooks stay, so the proof covers them."""
-    from gaugeopt.structure.static_checks import is_infrastructure_hook
-
     memo: dict[int, Any] = {}
     for p in module.parameters():
         if type(p).__name__ == "DTensor":
@@ -523,8 +278,7 @@ def certify_site(site: AttentionSite, call: Call, *, seed: int = 0) -> LayerCert
     randomize_parameters(base, g)
     y = _run(base, args, kwargs)
     for sector in claimed_sectors(site):
-        loose = sector in _QK_SECTORS or (site.latent is not None and sector in _LATENT_FLOAT32_SECTORS)
-        tol = FLOAT32_TOL if site.float32_steps and loose else VALID_TOL
+        tol = FLOAT32_TOL if site.float32_steps and sectors.sector(sector).through_scores else VALID_TOL
         moved = copy.deepcopy(base)
         _valid(_rebind(site, moved), sector, g)
         valid = relative_change(y, _run(moved, args, kwargs))
@@ -584,12 +338,8 @@ def certify(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Cert
             changes a layer's output by more than ``1e-10`` (``1e-6`` for float32 steps) or a
             negative control by less than ``1e-3``; or when the forward skips a layer.
     """
-    from gaugeopt.structure.static_checks import check_static
-
     if not isinstance(model, nn.Module):
         raise GaugeError(f"certify: model must be an nn.Module, got {type(model).__name__}")
-    from gaugeopt.structure.gate import release_capture
-
     sites = find_attention(model)
     check_static(model, sites, "certify")
     report = certify_with(model, lambda m: m(*example_args, **example_kwargs), sites=sites)

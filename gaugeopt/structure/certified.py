@@ -8,7 +8,9 @@ its module under its :func:`proof_key`:
   reference, relative to the module, so a wrapper's prefix does not matter), and
 * what the module runs (:func:`behaviour_key`): the class of every module inside it, the code
   of every ``forward``, method, helper and kernel the static checks looked at
-  (:mod:`gaugeopt.structure.static_checks`), and the read-only hooks the proof ran with.
+  (:mod:`gaugeopt.structure.static_checks`), and the read-only hooks the proof ran with;
+* the sector registry as it was (:func:`gaugeopt.structure.sectors.generation`): a new sector is
+  proved before anything uses it.
 
 The stamp travels with the module (``copy.deepcopy``, ``torch.compile``, DDP wrappers and FSDP2's
 sharding keep it; pickling keeps it but a new process computes other keys, so it proves again)
@@ -32,10 +34,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from gaugeopt.errors import GaugeError
+from gaugeopt.structure.sectors.registry import generation
 from gaugeopt.structure.site import AttentionSite, TensorRef
+from gaugeopt.structure.static_checks import is_allowed_hook, site_bindings
 
-__all__ = ["fingerprint", "behaviour_key", "proof_key", "is_certified", "how_certified", "require_certified", "stamp"]
+__all__ = ["fingerprint", "behaviour_key", "proof_key", "is_certified", "how_certified", "stamp", "unproved"]
 
 _STAMP = "_gaugeopt_certificates"
 
@@ -70,8 +73,6 @@ def fingerprint(site: AttentionSite) -> tuple:
 def behaviour_key(site: AttentionSite) -> tuple:
     """What the module runs: the classes inside it, the code of every binding the static checks looked at
     (:func:`~gaugeopt.structure.static_checks.site_bindings`) and the read-only hooks it carries."""
-    from gaugeopt.structure.static_checks import is_allowed_hook, site_bindings
-
     classes, hooks = [], []
     for rel, m in site.module.named_modules():
         cls = type(m)
@@ -87,8 +88,11 @@ def behaviour_key(site: AttentionSite) -> tuple:
 
 
 def proof_key(site: AttentionSite) -> tuple:
-    """The key a proof of ``site`` is stamped under: ``(fingerprint, behaviour_key)``."""
-    return fingerprint(site), behaviour_key(site)
+    """The key a proof of ``site`` is stamped under: ``(fingerprint, behaviour_key, registry generation)``.
+
+    The last part is :func:`gaugeopt.structure.sectors.generation`: a proof covers the sectors registered when
+    it ran, so registering or removing a sector (or a named control) makes every record prove again."""
+    return fingerprint(site), behaviour_key(site), generation()
 
 
 def stamp(site: AttentionSite, how: str = "proved") -> None:
@@ -112,13 +116,6 @@ def is_certified(site: AttentionSite) -> bool:
     return how_certified(site) is not None
 
 
-def require_certified(sites: Iterable[AttentionSite], operation: str) -> None:
-    """The gate (:func:`gaugeopt.structure.gate.trusted_sites`) for code that holds records only: static
-    checks, then a proof — run now where gaugeopt can find an example input for the model the
-    records came from — or a :class:`GaugeError` saying how to give one."""
-    from gaugeopt.structure.gate import trusted_sites
-
-    sites = list(sites)
-    if not sites:
-        raise GaugeError(f"{operation}: no attention records to act on")
-    trusted_sites(None, operation, sites=sites)
+def unproved(sites: Iterable[AttentionSite]) -> list[AttentionSite]:
+    """The records without a proof (or an assumption) for the module as it is now."""
+    return [s for s in sites if how_certified(s) is None]

@@ -51,23 +51,21 @@ import torch.nn as nn
 import torch.nn.modules.module as _torch_module
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.certified import fingerprint, how_certified, stamp
+from gaugeopt.structure.capture import arm_capture, release_capture, take_capture
+from gaugeopt.structure.certificate import certify_calls, certify_with
+from gaugeopt.structure.certified import fingerprint, how_certified, stamp, unproved
+from gaugeopt.structure.examples import example_forward
 from gaugeopt.structure.registry import find_attention
+from gaugeopt.structure.sectors.registry import generation
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.static_checks import check_static, site_bindings, site_modules
 
-__all__ = ["Gate", "Snapshot", "assume_certified", "trusted_sites", "unproved", "arm_capture", "release_capture"]
+__all__ = ["Gate", "Snapshot", "assume_certified", "require_certified", "trusted_sites", "unproved", "arm_capture",
+           "release_capture"]
 
 _MISSING = object()
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
-# root model (or first attention module, for records without one) -> a CallRecorder waiting for a forward
-_CAPTURES: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 _ASSUMED_WARNED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-def unproved(sites: Sequence[AttentionSite]) -> list[AttentionSite]:
-    """The records without a proof (or an assumption) for the module as it is now."""
-    return [s for s in sites if how_certified(s) is None]
 
 
 class Snapshot:
@@ -76,7 +74,8 @@ class Snapshot:
     :meth:`holds` is false as soon as any of these changed: the module at each record's path from the
     root, the submodules of each attention module (and their classes, instance ``forward``, forward
     hooks and pre-hooks), the parameter objects the records name and whether they are trainable, the
-    code bindings of the static checks, and the global module hooks.
+    code bindings of the static checks, the global module hooks, and the sector registry (a sector
+    registered or removed: :func:`gaugeopt.structure.sectors.generation`).
     """
 
     def __init__(self, root: nn.Module | None, sites: Sequence[AttentionSite]) -> None:
@@ -110,8 +109,11 @@ class Snapshot:
         self._classes = [(m, type(m)) for s in sites for _, m in site_modules(s)]
         self._same = same
         self._keys = keys
+        self._generation = generation()
 
     def holds(self) -> bool:
+        if generation() != self._generation:
+            return False
         for d, key, obj in self._same:
             if d.get(key, _MISSING) is not obj:
                 return False
@@ -137,51 +139,10 @@ def _root_of(model: nn.Module | None, sites: Sequence[AttentionSite] | None) -> 
     return None
 
 
-def _capture_key(root: nn.Module | None, sites: Sequence[AttentionSite]) -> nn.Module | None:
-    return root if root is not None else (sites[0].module if sites else None)
-
-
-def arm_capture(root: nn.Module | None, sites: Sequence[AttentionSite]) -> None:
-    """Record the next forward's calls of the unproved ``sites``, for a proof at the next gate pass."""
-    from gaugeopt.structure.certificate import CallRecorder
-
-    todo = unproved(sites)
-    key = _capture_key(root, sites)
-    if not todo or key is None:
-        return
-    rec = _CAPTURES.get(key)
-    if rec is not None and {s.name for s in todo} <= rec.names:
-        return
-    if rec is not None:
-        rec.close()
-    _CAPTURES[key] = CallRecorder(todo)
-
-
-def release_capture(root: nn.Module | None, sites: Sequence[AttentionSite] = ()) -> None:
-    """Drop a recording armed for ``root`` (or for ``sites`` without one): their records are proved."""
-    key = _capture_key(root, list(sites))
-    rec = _CAPTURES.pop(key, None) if key is not None else None
-    if rec is not None:
-        rec.close()
-
-
-def _take_capture(root: nn.Module | None, sites: Sequence[AttentionSite]):
-    key = _capture_key(root, sites)
-    rec = _CAPTURES.get(key) if key is not None else None
-    if rec is None or not all(s.name in rec.calls and rec.calls[s.name].output is not None for s in sites):
-        return None
-    del _CAPTURES[key]
-    rec.close()
-    return rec.calls
-
-
 def _prove(root: nn.Module | None, sites: Sequence[AttentionSite], operation: str, *, automatic: bool):
     """Prove ``sites`` (all unproved) from a recorded forward or a made-up input and return the
     :class:`~gaugeopt.CertificateReport`; else refuse."""
-    from gaugeopt.structure.certificate import certify_calls, certify_with
-    from gaugeopt.structure.examples import example_forward
-
-    calls = _take_capture(root, sites)
+    calls = take_capture(root, sites)
     if calls is not None:
         return certify_calls(sites, calls)
     example = example_forward(root, sites) if (automatic and root is not None) else None
@@ -252,6 +213,16 @@ def trusted_sites(model: nn.Module | None, operation: str, *, sites: Sequence[At
     return sites
 
 
+def require_certified(sites: Sequence[AttentionSite], operation: str) -> None:
+    """The gate (:func:`trusted_sites`) for code that holds records only: static checks, then a proof —
+    run now where gaugeopt can find an example input for the model the records came from — or a
+    :class:`GaugeError` saying how to give one."""
+    sites = list(sites)
+    if not sites:
+        raise GaugeError(f"{operation}: no attention records to act on")
+    trusted_sites(None, operation, sites=sites)
+
+
 def _same(a: Sequence[AttentionSite], b: Sequence[AttentionSite]) -> bool:
     return len(a) == len(b) and all(x.module is y.module and fingerprint(x) == fingerprint(y) for x, y in zip(a, b))
 
@@ -284,8 +255,6 @@ class Gate:
             check_static(self.root, self.sites, operation)
         todo = unproved(self.sites)
         if todo and automatic:
-            from gaugeopt.structure.examples import example_forward
-
             if self.root is not None and example_forward(self.root, todo) is not None:
                 self.certificate = _prove(self.root, todo, operation, automatic=True)
             else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.models.lrm import LRMLinear
 
 __all__ = ["randomize_parameters"]
 

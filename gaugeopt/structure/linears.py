@@ -1,8 +1,8 @@
-"""Building blocks for adapters: linear-like modules, fused row layouts, records from linears.
+"""Building blocks for adapters: linear-like modules and fused row layouts.
 
 A projection is *linear-like* when its forward is ``y = x Wᵀ + b`` over its own ``weight`` and
 ``bias``: ``nn.Linear`` (exact class), Hugging Face ``Conv1D`` (stored ``in×out``), gaugeopt's
-:class:`~gaugeopt.structure.lrm.LRMLinear`, and subclasses of ``nn.Linear`` that an adapter
+:class:`~gaugeopt.models.lrm.LRMLinear`, and subclasses of ``nn.Linear`` that an adapter
 *declares* (Falcon's ``FalconLinear``, torchtitan's ``Linear``): a subclass may compute something
 else (LoRA, quantisation), so it is accepted only by name.
 
@@ -39,11 +39,10 @@ from typing import Sequence
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.rope import NO_ROPE, RopeSpec
-from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.site import AttentionSite, Projection, TensorRef
+from gaugeopt.models.lrm import LRMLinear
+from gaugeopt.structure.site import Projection, TensorRef
 
-__all__ = ["FUSED_LAYOUTS", "linear_like", "projection_refs", "fused_rows", "fused_qkv_refs", "site_from_linears"]
+__all__ = ["FUSED_LAYOUTS", "linear_like", "projection_refs", "fused_rows", "fused_qkv_refs"]
 
 FUSED_LAYOUTS = ("concat", "grouped", "per_head")
 
@@ -64,7 +63,7 @@ def _declared(module: nn.Module, accept: Sequence[type | str]) -> bool:
 
 def linear_like(module: nn.Module, accept: Sequence[type | str] = ()) -> tuple[bool, int, int]:
     """``(transposed, out_features, in_features)`` of an ``nn.Linear``, HF ``Conv1D``,
-    :class:`~gaugeopt.structure.lrm.LRMLinear` or a declared ``nn.Linear`` subclass (``accept``:
+    :class:`~gaugeopt.models.lrm.LRMLinear` or a declared ``nn.Linear`` subclass (``accept``:
     classes or import paths); raises :class:`GaugeError` for anything else."""
     if type(module) is nn.Linear or type(module) is LRMLinear:
         return False, module.out_features, module.in_features
@@ -134,7 +133,7 @@ def projection_refs(
 def fused_rows(module: nn.Module, sizes: Sequence[int], accept: Sequence[type | str] = ()) -> list[slice]:
     """Row slices of a fused projection whose output is the concatenation of ``sizes``.
 
-    For an :class:`~gaugeopt.structure.lrm.LRMLinear` the module's own split sizes must agree (the
+    For an :class:`~gaugeopt.models.lrm.LRMLinear` the module's own split sizes must agree (the
     multipliers are per split)."""
     _, out, _ = linear_like(module, accept)
     if sum(sizes) != out:
@@ -198,48 +197,3 @@ def fused_qkv_refs(
         projection_refs(module, module_name, rows=spans[s], split=s, heads=h, width=w, groups=h, **common)
         for s, w in enumerate((d_k, d_k, d_v))
     )
-
-
-def site_from_linears(
-    module: nn.Module,
-    name: str,
-    *,
-    q: str,
-    k: str,
-    v: str,
-    o: str,
-    num_heads: int,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    v_head_dim: int | None = None,
-    rope: RopeSpec = NO_ROPE,
-    kind: str = "manual",
-) -> AttentionSite:
-    """Build an :class:`AttentionSite` from four separate linear-like children of ``module``.
-
-    A shorthand for :class:`gaugeopt.AttentionSpec` with separate projections (which also
-    describes fused layouts, head counts read from attributes, QK-norm and refusals). *You*
-    vouch that the module's forward is standard scaled-dot-product attention over these
-    projections; :func:`gaugeopt.certify` proves it numerically on your model, and gauge
-    operations refuse the record until it has.
-
-    Args:
-        module: the attention module; ``name`` its qualified name in the root model.
-        q, k, v, o: attribute paths of the projections on ``module``.
-        num_heads, num_kv_heads: query heads and key/value heads (GQA when fewer).
-        head_dim, v_head_dim: widths (default: Q rows / num_heads, V rows / num_kv_heads).
-        rope: the RoPE convention (:class:`~gaugeopt.structure.rope.RopeSpec`).
-    """
-    from gaugeopt.structure.spec import AttentionSpec
-
-    if len({q, k, v}) < 3:
-        raise GaugeError(
-            f"{name}: q={q!r}, k={k!r}, v={v!r} name the same layer: that is a fused QKV projection, and "
-            "site_from_linears takes separate Q, K and V linears. Describe the fused layout (its row order) "
-            "with gaugeopt.AttentionSpec(qkv=..., fused='concat'|'grouped'|'per_head') instead; see docs/adapters.md"
-        )
-    spec = AttentionSpec(
-        q=q, k=k, v=v, o=o, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        v_head_dim=v_head_dim, rope=rope, kind=kind, stock_forward=False,
-    )
-    return spec.build(module, name)

@@ -50,8 +50,9 @@ import torch.nn as nn
 
 from gaugeopt.distributed import is_dtensor
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.actions import relative_change
-from gaugeopt.structure.certificate import _first_tensor, _snapshot, _to_float64
+from gaugeopt.structure.group_actions import relative_change
+from gaugeopt.structure.capture import _first_tensor, _snapshot, _to_float64
+from gaugeopt.structure.certificate import _rebind
 from gaugeopt.structure.certified import fingerprint
 from gaugeopt.structure.gate import trusted_sites
 from gaugeopt.structure.scores import ScoreCall, score_call
@@ -215,8 +216,6 @@ def check_reader(site: AttentionSite, args: tuple, kwargs: dict) -> float | None
 
 
 def _on(site: AttentionSite, module: nn.Module) -> AttentionSite:
-    from gaugeopt.structure.certificate import _rebind
-
     return _rebind(site, module)
 
 

@@ -20,103 +20,43 @@ from the table whose ``forward`` and everything it reaches are a renamed copy of
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.structure import adapters as _builtin  # noqa: F401  (registers the built-in adapters)
+from gaugeopt.structure.adapter_table import (  # noqa: F401  (_ADAPTERS...: the tables, for tests that patch them)
+    _ADAPTERS,
+    _NAMED_ADAPTERS,
+    _RECOGNISERS,
+    _VERIFIED,
+    _WRAPPERS,
+    Adapter,
+    is_verified,
+    register_adapter,
+    register_builtin,
+    register_builtin_recogniser,
+    register_named_adapter,
+    register_wrapper,
+    recognisers,
+    registered,
+    wrappers,
+)
 from gaugeopt.structure.recognise import recognised_adapter
 from gaugeopt.structure.site import AttentionSite
 
 __all__ = ["Adapter", "effective_class", "find_attention", "register_adapter", "register_named_adapter", "registered_adapters"]
-
-# An adapter: (root_model, qualified_name, module) -> AttentionSite.
-Adapter = Callable[[nn.Module, str, nn.Module], AttentionSite]
-_ADAPTERS: dict[type, Adapter] = {}
-_NAMED_ADAPTERS: dict[str, Adapter] = {}
-# (predicate, adapter) for classes matched by structure rather than by class (copied code).
-_RECOGNISERS: list[tuple[Callable[[nn.Module], bool], Adapter]] = []
-# ids of the built-in adapters (their records are verified by the test suite).
-_VERIFIED: set[int] = set()
-# Import paths of classes that are named like attention but only wrap it (T5LayerSelfAttention).
-_WRAPPERS: set[str] = set()
-_BUILTINS_LOADED = False
 
 # Class-name fragments that mark a module as attention; a module whose class matches one of
 # these and that no adapter claims makes find_attention refuse the model (no partial results).
 _ATTENTION_HINTS = ("attention", "selfattn", "attn")
 
 
-def register_adapter(cls: type, adapter: Adapter) -> None:
-    """Teach :func:`find_attention` a new attention class.
-
-    ``adapter(root, name, module)`` returns the :class:`AttentionSite` for ``module`` (a
-    ``cls`` instance at qualified name ``name`` in ``root``) or raises :class:`GaugeError`
-    naming a feature it does not handle. Matching is by exact class: a subclass must be
-    registered on its own, because it may change ``forward``. :class:`gaugeopt.AttentionSpec`
-    writes the adapter for you (``spec.register(cls)``). Records from a registered adapter are proved
-    on the model before a gauge operation uses them, like every record (:mod:`gaugeopt.structure.gate`).
-
-    Example:
-        >>> import torch.nn as nn, gaugeopt
-        >>> from gaugeopt.structure import register_adapter, site_from_linears
-        >>> class MyAttn(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.wq, self.wk, self.wv, self.wo = (nn.Linear(8, 8) for _ in range(4))
-        >>> register_adapter(MyAttn, lambda root, name, m: site_from_linears(
-        ...     m, name, q="wq", k="wk", v="wv", o="wo", num_heads=2))
-        >>> [(s.h, s.verified) for s in gaugeopt.find_attention(nn.Sequential(MyAttn()))]
-        [(2, False)]
-    """
-    if not isinstance(cls, type):
-        raise GaugeError(f"register_adapter expects a class, got {cls!r}; for an import path use register_named_adapter")
-    _ADAPTERS[cls] = adapter
-
-
-def register_named_adapter(path: str, adapter: Adapter) -> None:
-    """Register an adapter for the class at import path ``path`` without importing it."""
-    if not isinstance(path, str) or "." not in path:
-        raise GaugeError(f"register_named_adapter expects an import path 'package.module.Class', got {path!r}")
-    _NAMED_ADAPTERS[path] = adapter
-
-
-def register_builtin(key: type | str, adapter: Adapter) -> None:
-    """Register a built-in adapter: its records are marked verified (the suite checks its class)."""
-    if isinstance(key, str):
-        register_named_adapter(key, adapter)
-    else:
-        register_adapter(key, adapter)
-    _VERIFIED.add(id(adapter))
-
-
-def register_builtin_recogniser(predicate: Callable[[nn.Module], bool], adapter: Adapter) -> None:
-    """A built-in adapter for modules matched by ``predicate`` (structure, not class)."""
-    _RECOGNISERS.append((predicate, adapter))
-    _VERIFIED.add(id(adapter))
-
-
-def register_wrapper(path: str) -> None:
-    """Mark the class at ``path`` as a wrapper around an attention module, not attention itself."""
-    _WRAPPERS.add(path)
-
-
-def _load_builtin_adapters() -> None:
-    global _BUILTINS_LOADED
-    if not _BUILTINS_LOADED:
-        _BUILTINS_LOADED = True
-        from gaugeopt.structure import adapters  # noqa: F401  (registers the built-in adapters)
-
-
 def registered_adapters() -> dict[type | str, Adapter]:
-    """The adapter table: classes, and import paths of classes from optional libraries."""
-    _load_builtin_adapters()
-    return {**_NAMED_ADAPTERS, **_ADAPTERS}
-
-
-def is_verified(adapter: Adapter) -> bool:
-    """Whether ``adapter`` is a built-in whose records the test suite verifies."""
-    return id(adapter) in _VERIFIED
+    """The adapter table: classes, and import paths of classes from optional libraries (the built-in
+    adapters included: importing this module registers them)."""
+    return registered()
 
 
 def _class_path(cls: type) -> str:
@@ -139,7 +79,7 @@ def _adapter_for(module: nn.Module, table: dict) -> Adapter | None:
     if found is None:
         found = table.get(_class_path(cls))
     if found is None:
-        found = next((a for pred, a in _RECOGNISERS if pred(module)), None)
+        found = next((a for pred, a in recognisers() if pred(module)), None)
     return found
 
 
@@ -152,7 +92,7 @@ def _supported_ancestor(module: nn.Module, table: dict) -> str | None:
 
 
 def _looks_like_attention(module: nn.Module) -> bool:
-    if _class_path(type(module)) in _WRAPPERS:
+    if _class_path(type(module)) in wrappers():
         return False
     name = type(module).__name__.lower().replace("_", "")
     return any(hint in name for hint in _ATTENTION_HINTS)

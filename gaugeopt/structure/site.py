@@ -24,7 +24,7 @@ shaped like the stored parameter (the parameter itself, its gradient, an Adam mo
 update) to that canonical view, without copying, whatever the storage: ``nn.Linear``
 (``out×in``), Hugging Face ``Conv1D`` (``in×out``), fused QKV weights, LRM multipliers.
 
-With learnable multipliers (:mod:`gaugeopt.structure.lrm`) the *effective* weight of a projection is
+With learnable multipliers (:mod:`gaugeopt.models.lrm`) the *effective* weight of a projection is
 ``diag(r)·W̄·diag(c)`` and its effective bias ``r ⊙ b̄``; :meth:`AttentionSite.effective`
 and :meth:`AttentionSite.set_effective` read and write in those terms.
 
@@ -49,18 +49,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.structure.bias import BiasSector, bias_kinds
+from gaugeopt.structure.latent import LatentAttention, check_latent
 from gaugeopt.structure.pair import GaugePair
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
-
-if TYPE_CHECKING:  # pragma: no cover
-    from gaugeopt.structure.bias import BiasSector
-    from gaugeopt.structure.latent import LatentAttention
 
 __all__ = ["TensorRef", "Projection", "QKNorm", "AttentionSite"]
 
@@ -305,8 +303,6 @@ class AttentionSite:
             raise GaugeError(f"{self.name}: sinks ({self.sinks.name}) has canonical shape {self.sinks.shape}, "
                              f"expected ({self.h},): one sink logit per query head")
         if self.latent is not None:
-            from gaugeopt.structure.latent import check_latent
-
             if self.qk_norm is not None:
                 raise GaugeError(f"{self.name}: a record with both a QK-norm and latent attention is not supported")
             check_latent(self)
@@ -350,16 +346,12 @@ class AttentionSite:
         """The ``"key_bias"`` or ``"value_bias"`` :class:`~gaugeopt.structure.bias.BiasSector` of this
         site (which bias shifts, on which channels, what absorbs it); :attr:`bias_kinds` says which
         this site has."""
-        from gaugeopt.structure.bias import BiasSector
-
         return BiasSector.of(self, kind)
 
     @property
     def bias_kinds(self) -> tuple[str, ...]:
         """The bias sectors of this site: ``"key_bias"`` (a key bias, non-rotary channels, no QK-norm)
         and ``"value_bias"`` (value and output biases); see :mod:`gaugeopt.structure.bias`."""
-        from gaugeopt.structure.bias import bias_kinds
-
         return bias_kinds(self)
 
     @property

@@ -64,11 +64,13 @@ from typing import Any, Callable, Union
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
+from gaugeopt.structure.adapter_table import register_adapter, register_named_adapter
 from gaugeopt.structure.linears import FUSED_LAYOUTS, fused_qkv_refs, linear_like, projection_refs
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
 from gaugeopt.structure.site import QK_NORM_KINDS, QK_NORM_SCOPES, AttentionSite, QKNorm, TensorRef
 
-__all__ = ["AttentionSpec", "QKNormSpec", "Value", "refuse_qk_norm", "require_stock_forward", "resolve"]
+__all__ = ["AttentionSpec", "QKNormSpec", "Value", "refuse_qk_norm", "require_stock_forward", "resolve",
+           "site_from_linears"]
 
 # An int (or float), an attribute path from the module ("config.n_head"), or a callable module -> value.
 Value = Union[int, float, str, Callable[[nn.Module], Any]]
@@ -346,8 +348,6 @@ class AttentionSpec:
 
     def register(self, cls: type | str) -> None:
         """Register this spec for ``cls`` (a class, or its import path ``"package.module.Class"``)."""
-        from gaugeopt.structure.registry import register_adapter, register_named_adapter
-
         if isinstance(cls, str):
             register_named_adapter(cls, self.adapter())
         else:
@@ -370,3 +370,46 @@ def _divide(total: int, parts: int, what: str, by: str, name: str) -> int:
     if rem or width <= 0:
         raise GaugeError(f"{what} do not split into {by}={parts} heads; give head_dim= explicitly")
     return width
+
+
+def site_from_linears(
+    module: nn.Module,
+    name: str,
+    *,
+    q: str,
+    k: str,
+    v: str,
+    o: str,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    v_head_dim: int | None = None,
+    rope: RopeSpec = NO_ROPE,
+    kind: str = "manual",
+) -> AttentionSite:
+    """Build an :class:`AttentionSite` from four separate linear-like children of ``module``.
+
+    A shorthand for :class:`gaugeopt.AttentionSpec` with separate projections (which also
+    describes fused layouts, head counts read from attributes, QK-norm and refusals). *You*
+    vouch that the module's forward is standard scaled-dot-product attention over these
+    projections; :func:`gaugeopt.certify` proves it numerically on your model, and gauge
+    operations refuse the record until it has.
+
+    Args:
+        module: the attention module; ``name`` its qualified name in the root model.
+        q, k, v, o: attribute paths of the projections on ``module``.
+        num_heads, num_kv_heads: query heads and key/value heads (GQA when fewer).
+        head_dim, v_head_dim: widths (default: Q rows / num_heads, V rows / num_kv_heads).
+        rope: the RoPE convention (:class:`~gaugeopt.structure.rope.RopeSpec`).
+    """
+    if len({q, k, v}) < 3:
+        raise GaugeError(
+            f"{name}: q={q!r}, k={k!r}, v={v!r} name the same layer: that is a fused QKV projection, and "
+            "site_from_linears takes separate Q, K and V linears. Describe the fused layout (its row order) "
+            "with gaugeopt.AttentionSpec(qkv=..., fused='concat'|'grouped'|'per_head') instead; see docs/adapters.md"
+        )
+    spec = AttentionSpec(
+        q=q, k=k, v=v, o=o, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        v_head_dim=v_head_dim, rope=rope, kind=kind, stock_forward=False,
+    )
+    return spec.build(module, name)

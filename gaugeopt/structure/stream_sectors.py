@@ -87,7 +87,7 @@ import math
 import torch
 
 from gaugeopt.structure.stream import ResidualStream, StreamLinear, StreamNorm
-from gaugeopt.structure.symmetries import Family
+from gaugeopt.structure.sectors.registry import Family
 
 __all__ = ["STREAM_SECTORS", "stream_families", "rotation_basis"]
 

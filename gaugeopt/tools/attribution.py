@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from gaugeopt.structure.actions import relative_change
 from gaugeopt.structure.symmetries import Family, symmetry_families
-from gaugeopt.tools.flat import FlatReport, SectorRow, r_factor
+from gaugeopt.tools.flat_report import FlatReport, SectorRow, r_factor
 
 __all__ = ["attribute", "generator_matrix", "COMPLEX_STEP", "FLOAT32_TOL"]
 

@@ -117,7 +117,7 @@ def _save(model, out, ckpt, args, extra_inputs=()):
 
 
 def _is_lrm(model) -> bool:
-    from gaugeopt.structure.lrm import is_lrm
+    from gaugeopt.models.lrm import is_lrm
 
     return is_lrm(model)
 

@@ -93,6 +93,8 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.structure.bias import sector_dims
 from gaugeopt.structure.latent import latent_dims
 from gaugeopt.structure.rope import NO_ROPE, RopeSpec
+from gaugeopt.structure import sectors
+from gaugeopt.structure.sectors.norm_gains import qk_norm_counts
 from gaugeopt.structure.stream import StreamShape
 
 __all__ = ["LayerShape", "NormShape", "LatentShape", "gauge_dimension", "layer_shapes", "stream_shape", "CONVENTIONS"]
@@ -211,6 +213,14 @@ def _site_shape(s) -> LayerShape:
                       s.v.bias is not None, s.o.bias is not None, s.sinks is not None, bool(s.qk_orthogonal), latent)
 
 
+def _gemma3_text(cfg: Any) -> Any:
+    """The language model's config inside a multimodal Gemma 3 config (its ``text_config``)."""
+    text = _get(cfg, "text_config")
+    if text is None:
+        raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
+    return text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"}
+
+
 def layer_shapes(model_or_config: Any) -> list[LayerShape]:
     """Per-layer head structure of a model (via :func:`gaugeopt.find_attention`) or a config.
 
@@ -233,11 +243,8 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
         shape = LayerShape(cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.head_dim, cfg.n_embd, rope, norm, b, b, b, b)
         return [shape] * cfg.n_layer
     model_type = _get(cfg, "model_type")
-    if model_type == "gemma3":  # the multimodal config keeps the language model's in text_config
-        text = _get(cfg, "text_config")
-        if text is None:
-            raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
-        return layer_shapes(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
+    if model_type == "gemma3":
+        return layer_shapes(_gemma3_text(cfg))
     if model_type in _DEEPSEEK:
         return [_deepseek_layer(cfg, model_type)] * _get(cfg, "num_hidden_layers")
     if model_type == "gpt2":
@@ -271,32 +278,10 @@ def layer_shapes(model_or_config: Any) -> list[LayerShape]:
     )
 
 
-def _qk_norm_counts(s: LayerShape, ignore_rope: bool) -> dict[str, int]:
-    """The Q/K gauge of one QK-norm layer (module docstring; docs/qk_norm.md)."""
-    n = s.qk_norm
-    rope = NO_ROPE if (ignore_rope or not n.before_rope) else s.rope
-    if n.kind == "layer" and s.rope.active and not n.before_rope:
-        raise GaugeError(
-            "gauge_dimension: a LayerNorm QK-norm after RoPE has no derived count (docs/qk_norm.md covers LayerNorm "
-            "without RoPE and before it)"
-        )
-    counts = {"qk_gain": (s.h_kv if n.per_head else 1) * rope.n_slots(s.d_k)}
-    if n.kind == "layer":
-        extra = (s.h + s.h_kv) * (s.d_model + int(s.qk_bias))  # the mean direction of every head's rows
-        if not (s.rope.active and not ignore_rope):
-            extra += 1 + (s.d_k + 1 if n.bias else 0)  # centred rotation; key bias, query-bias shift
-        elif n.bias:  # partial RoPE (Phi): the key bias on the channels RoPE leaves alone is still invisible
-            extra += s.d_k - s.rope.rotary_dim
-        counts["qk_layernorm"] = extra
-    if n.eps == 0:
-        counts["qk_head_scale"] = (s.h + s.h_kv) if n.scope == "head" else 2
-    return counts
-
-
 def _lrm_internal(model: Any) -> int:
     if not isinstance(model, nn.Module):
         return 0
-    from gaugeopt.structure.lrm import LRMLinear
+    from gaugeopt.models.lrm import LRMLinear
 
     return sum(m.internal_gauge_dim for m in model.modules() if isinstance(m, LRMLinear))
 
@@ -332,11 +317,8 @@ def stream_shape(model_or_config: Any) -> StreamShape:
         return StreamShape(_get(cfg, "n_layer", "num_hidden_layers"), d, _get(cfg, "n_inner") or 4 * d, _get(cfg, "vocab_size"),
                            _get(cfg, "n_positions"), "layernorm", act, bool(_get(cfg, "tie_word_embeddings", default=True)),
                            True, True, True)
-    if model_type == "gemma3":  # the multimodal config keeps the language model's in text_config
-        text = _get(cfg, "text_config")
-        if text is None:
-            raise GaugeError("gauge_dimension: a gemma3 config without text_config; pass the text model's config")
-        return stream_shape(text if _get(text, "model_type") else {**dict(text), "model_type": "gemma3_text"})
+    if model_type == "gemma3":
+        return stream_shape(_gemma3_text(cfg))
     if model_type in _STREAM_LAYOUTS:
         act_key, default_act, pre, post, tied = _STREAM_LAYOUTS[model_type]
         act = _get(cfg, act_key, default=default_act)
@@ -405,19 +387,12 @@ def _complete_counts(shapes: list[LayerShape], st: StreamShape) -> dict[str, int
 
     d, ln = st.d_model, st.norm == "layernorm"
     mlp_inputs = 2 if st.activation in ("swiglu", "geglu") else 1
+    counted = [sec for sec in sectors.sectors() if sec.count is not None]
     for s in shapes:
-        if s.qk_norm is None:
-            add("qk", s.h_kv * s.qk_dim())
-        else:
-            for key, n in _qk_norm_counts(s, ignore_rope=False).items():
-                add(key, n)
-        add("vo", s.h_kv * s.d_v**2)
-        for key, n in s.bias_sectors().items():
-            add(key, n)
-        if s.latent is not None:
-            if ln:
-                raise GaugeError("gauge_dimension: multi-head latent attention in a LayerNorm stream has no derived count")
-            for key, n in s.latent.dims().items():
+        if s.latent is not None and ln:
+            raise GaugeError("gauge_dimension: multi-head latent attention in a LayerNorm stream has no derived count")
+        for sec in counted:  # the attention sectors: each registered sector counts itself (Sector.count)
+            for key, n in sec.count(s).items():
                 add(key, n)
         add("norm_gain", 2 * d if st.pre_norms else 0)  # a pre-norm's gain against its readers; post-norms: none
         if ln:
@@ -487,7 +462,7 @@ def gauge_dimension(
         counts["qk_rope"] = sum(s.latent.dims()["qk_rope"] for s in shapes if s.latent is not None)
     for s in shapes:
         if s.qk_norm is not None:
-            for key, n in _qk_norm_counts(s, ignore_rope=convention == "van_nierop").items():
+            for key, n in qk_norm_counts(s, ignore_rope=convention == "van_nierop").items():
                 counts[key] = counts.get(key, 0) + n
     counts["vo"] = sum(s.h_kv * s.d_v**2 for s in shapes)
     if convention == "van_nierop":

@@ -35,7 +35,7 @@ plane, i.e. to lie in the RoPE commutant). So :func:`compare` decides ``G``-equi
 1. the same architecture (attention shapes and RoPE layout, parameter names and shapes);
 2. equal *gauge-inert* tensors: every parameter outside the attention projections, the
    effective output bias, and the effective weights ``diag(r)·W̄·diag(c)`` of every other
-   :class:`~gaugeopt.structure.lrm.LRMLinear` (so LRM multipliers and their internal rescalings are
+   :class:`~gaugeopt.models.lrm.LRMLinear` (so LRM multipliers and their internal rescalings are
    quotiented too) — the output bias with the value bias folded in;
 3. per layer, a head matching that respects KV groups (optimal assignment on circuit
    distances, two levels under GQA) under which every head's circuits agree.
@@ -91,7 +91,7 @@ import torch.nn as nn
 
 from gaugeopt.tools.canonical import effective_tensors, refuse_latent, refuse_layer_norm
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.models.lrm import LRMLinear
 from gaugeopt.structure.rope import plane_index
 from gaugeopt.structure.site import AttentionSite
 from gaugeopt.structure.gate import trusted_sites

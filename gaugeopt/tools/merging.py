@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
-from gaugeopt.tools.canonical import _stack_outputs, _stack_queries, canonicalize, effective_tensors, refuse_latent
+from gaugeopt.tools.canonical import stack_outputs, stack_queries, canonicalize, effective_tensors, refuse_latent
 from gaugeopt.tools.equivalence import _aug, match_heads
 from gaugeopt.errors import GaugeError
 from gaugeopt.structure.site import AttentionSite
@@ -110,7 +110,7 @@ def _procrustes(X: torch.Tensor, Y: torch.Tensor) -> torch.Tensor:
 def _align_qk(site_a: AttentionSite, site_b: AttentionSite) -> None:
     def rows(site):
         t = effective_tensors(site)
-        q = _stack_queries(site, _aug(t["wq"], t["bq"]))  # (g, d_k, n·(d+1))
+        q = stack_queries(site, _aug(t["wq"], t["bq"]))  # (g, d_k, n·(d+1))
         return torch.cat([q, _aug(t["wk"], t["bk"])], -1)
 
     Xa, Xb = rows(site_a), rows(site_b)
@@ -138,7 +138,7 @@ def _align_qk(site_a: AttentionSite, site_b: AttentionSite) -> None:
 def _align_vo(site_a: AttentionSite, site_b: AttentionSite) -> None:
     def rows(site):
         t = effective_tensors(site)
-        return torch.cat([_aug(t["wv"], t["bv"]), _stack_outputs(site, t["wo"]).mT], -1)  # (g, d_v, ·)
+        return torch.cat([_aug(t["wv"], t["bv"]), stack_outputs(site, t["wo"]).mT], -1)  # (g, d_v, ·)
 
     omega = _procrustes(rows(site_a), rows(site_b))
     act_vo(site_b, omega.mT)  # C = Ωᵀ: W_V ← ΩW_V, W_O[:, i] ← W_O[:, i]C⁻ᵀ = W_O[:, i]Ωᵀ

@@ -17,6 +17,10 @@ math)
 ``integrations``, ``callbacks``,   anything
 ``metrics``, the top level
 =================================  =============================================================
+
+Inside one subpackage the modules' imports form no cycle (:func:`test_no_import_cycles_inside_a_subpackage`):
+every import counts, at module level or inside a function — a function-level import hides a cycle from
+Python's import order, not from a reader — except those under ``if TYPE_CHECKING:``, which never run.
 """
 
 from __future__ import annotations
@@ -105,6 +109,87 @@ def _violations(root: pathlib.Path) -> list[str]:
 def test_imports_point_downwards_only():
     violations = _violations(ROOT)
     assert not violations, "\n".join(violations)
+
+
+def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = ["gaugeopt", *path.relative_to(root).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.AST):
+    """Every import statement of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for b in node.body for n in ast.walk(b)}
+    return [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and id(n) not in skip]
+
+
+def _cycles(root: pathlib.Path) -> list[list[str]]:
+    """Strongly connected groups (more than one module) of the import graph restricted to each subpackage;
+    ``from pkg import name`` points at the submodule ``pkg.name`` when there is one, else at ``pkg``."""
+    paths = {_module_name(p, root): p for p in _modules(root)}
+    edges: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        pkg_parts = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        out = set()
+        for node in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                base = ".".join(pkg_parts[: len(pkg_parts) - (node.level - 1)] + ([node.module] if node.module else [])) \
+                    if node.level else node.module
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names]
+            out |= {t for t in targets if t in paths and t != mod and t.split(".")[:2] == mod.split(".")[:2]}
+        edges[mod] = out
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_no_import_cycles_inside_a_subpackage():
+    cycles = _cycles(ROOT)
+    assert not cycles, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_checker_sees_cycles(tmp_path):
+    """Negative control: a cycle through a function-level import and a package ``__init__`` is found; the same
+    imports under ``TYPE_CHECKING``, or across subpackages, are not cycles."""
+    pkg = tmp_path / "gaugeopt"
+    (pkg / "structure").mkdir(parents=True)
+    (pkg / "tools").mkdir()
+    (pkg / "structure" / "__init__.py").write_text("from gaugeopt.structure.a import f\n")
+    (pkg / "structure" / "a.py").write_text("def f():\n    from gaugeopt.structure import b\n")
+    (pkg / "structure" / "b.py").write_text("from . import c\n")
+    (pkg / "structure" / "c.py").write_text("from gaugeopt.structure import a\n")
+    (pkg / "tools" / "x.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gaugeopt.tools import y\n")
+    (pkg / "tools" / "y.py").write_text("from gaugeopt.tools import x\n")
+    assert _cycles(pkg) == [["gaugeopt.structure.a", "gaugeopt.structure.b", "gaugeopt.structure.c"]]
 
 
 def test_the_checker_sees_violations(tmp_path):

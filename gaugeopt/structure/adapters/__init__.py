@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from gaugeopt.structure.registry import register_builtin, register_builtin_recogniser, register_wrapper
+from gaugeopt.structure.adapter_table import register_builtin, register_builtin_recogniser, register_wrapper
 from gaugeopt.structure.adapters.gpt import adapt_gpt
 from gaugeopt.structure.adapters.hf import HF_ADAPTERS, HF_WRAPPERS, adapt_hf_gpt2
 from gaugeopt.structure.adapters.hf_recent import HF_RECENT_ADAPTERS

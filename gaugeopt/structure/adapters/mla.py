@@ -43,7 +43,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.structure.adapters.common import refuse, require_stock_forward
 from gaugeopt.structure.latent import LatentAttention, LatentNorm
 from gaugeopt.structure.linears import linear_like, projection_refs
-from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.models.lrm import LRMLinear
 from gaugeopt.structure.rope import RopeSpec
 from gaugeopt.structure.site import AttentionSite, TensorRef
 
