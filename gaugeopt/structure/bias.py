@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["BIAS_SECTORS", "BiasSector", "bias_kinds", "free_key_channels", "missing_reason", "sector_dims"]
 
+# the sectors whose actions this module defines (registered with the rest in gaugeopt.structure.sectors.biases)
 BIAS_SECTORS = ("key_bias", "value_bias")
 
 

@@ -65,6 +65,7 @@ __all__ = [
     "latent_dims", "check_latent",
 ]
 
+# the sectors whose actions this module defines (registered with the rest in gaugeopt.structure.sectors.latents)
 LATENT_SECTORS = ("qk_rope", "latent_rotation", "latent_gain")
 
 

@@ -228,10 +228,8 @@ def _attention_outputs(model, sites, run):
 
 
 def _cmd_verify(args) -> int:
-    from gaugeopt.structure.actions import (
-        ALL_INVALID_KINDS, BIAS_KINDS, VALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change,
-    )
-    from gaugeopt.structure.latent import LATENT_SECTORS
+    from gaugeopt.structure import sectors as registry
+    from gaugeopt.structure.actions import ALL_INVALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change
     from gaugeopt.tools.checkpoint import forward_logits
     from gaugeopt.structure.registry import find_attention
 
@@ -242,13 +240,10 @@ def _cmd_verify(args) -> int:
     x = _tokens(model, args)
     run = lambda m: forward_logits(m, x)  # noqa: E731
     sites = find_attention(model)
-    # every kind some site has ("all" applies each where it exists; QK-norm sites: qk_gain, not qk/lrm_qk)
-    has_bias = {k for s in sites for k in s.bias_kinds}
-    kinds = tuple(k for k in (VALID_KINDS if _is_lrm(model) else ("qk", "vo", "perm", "qk_gain", *BIAS_KINDS, *LATENT_SECTORS))
-                  if not (k == "qk_gain" and all(s.qk_norm is None for s in sites))
-                  and not (k in ("qk", "lrm_qk") and all(s.qk_norm is not None for s in sites))
-                  and not (k in BIAS_KINDS and k not in has_bias)
-                  and not (k in LATENT_SECTORS and all(s.latent is None for s in sites)))
+    # every registered sector some site has (QK-norm sites: qk_gain, not qk/lrm_qk); the multiplier sectors with LRM
+    lrm = _is_lrm(model)
+    kinds = tuple(sec.name for sec in registry.sectors()
+                  if (lrm or sec.family != "multiplier") and any(sec.lacking(s) is None for s in sites))
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         att0, log0 = _attention_outputs(model, sites, run)
