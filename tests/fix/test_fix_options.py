@@ -245,3 +245,38 @@ def test_drift_metrics_measure_at_the_slots_of_the_options_given():
 def test_a_fix_steps_copy_keeps_its_options():
     fix = FixSteps(every=3, vo=True)
     assert copy.deepcopy(fix).options == fix.options
+
+
+@pytest.mark.parametrize("call", [
+    lambda **kw: plan_pairs([], **kw),
+    lambda **kw: drift_table(None, [], **kw),
+    lambda **kw: gaugeopt.qk_drift(None, [], **kw),
+], ids=["plan_pairs", "drift_table", "qk_drift"])
+def test_plan_and_drift_validate_the_fields_they_read_through_the_same_object(call):
+    """The fields a plan or a drift metric reads are checked by FixOptions (the same message as every
+    other entry point); a field they do not read is a TypeError naming it, not silently ignored."""
+    with pytest.raises(GaugeError, match="granularity='row' is not one of"):
+        call(granularity="row")
+    with pytest.raises(GaugeError, match="mode='lrn' is not one of"):
+        call(mode="lrn")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'transport_state'"):
+        call(transport_state=False)
+    call(granularity="head", mode="plain")  # the control: valid fields pass
+
+
+def test_every_field_is_documented_in_the_docstring_and_the_docs_table():
+    """docs/gaugefix.md has one table row per field, with the field's default; FixOptions' docstring
+    describes each field. A new field without documentation fails here."""
+    import dataclasses
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "gaugefix.md").read_text()
+    doc = doc.split("\n## Options\n")[1].split("\n## ")[0]
+    rows = dict(re.findall(r"^\| `(\w+)` \| `?([^|`]+?)`? \|", doc, flags=re.M))
+    defaults = {f.name: f.default for f in dataclasses.fields(FixOptions)}
+    assert list(rows) == list(FIELDS)
+    for name, default in defaults.items():
+        assert rows[name] == (repr(default).replace("'", '"')), (name, rows[name])
+    attributes = FixOptions.__doc__.split("Attributes:")[1]
+    assert all(re.search(rf"^\s+{name}: \S", attributes, flags=re.M) for name in FIELDS)
