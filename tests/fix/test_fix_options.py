@@ -271,7 +271,7 @@ def test_every_field_is_documented_in_the_docstring_and_the_docs_table():
     import pathlib
     import re
 
-    doc = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "gaugefix.md").read_text()
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "gaugefix.md").read_text()
     doc = doc.split("\n## Options\n")[1].split("\n## ")[0]
     rows = dict(re.findall(r"^\| `(\w+)` \| `?([^|`]+?)`? \|", doc, flags=re.M))
     defaults = {f.name: f.default for f in dataclasses.fields(FixOptions)}
