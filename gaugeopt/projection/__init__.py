@@ -13,6 +13,14 @@
   split, holonomy.
 """
 
-from gaugeopt.projection.projector import MODES, SECTORS, Decomposition, GaugeProjector
+from gaugeopt.projection import projector as _projector
+from gaugeopt.projection.projector import MODES, Decomposition, GaugeProjector
 
 __all__ = ["Decomposition", "GaugeProjector", "MODES", "SECTORS"]
+
+
+def __getattr__(name: str):
+    """``SECTORS``: the projectable sectors of the registry, read when asked (a sector registered later is in it)."""
+    if name == "SECTORS":
+        return _projector.projectable()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

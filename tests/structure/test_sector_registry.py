@@ -48,10 +48,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().norm() / b.detach().norm())
 
 
+def test_builtin_lists_are_derived_and_unchanged():
+    """The lists modules held as literals before the registry, derived from it now, are the same (so a seed, a
+    projection and a count give what they gave)."""
+    assert tuple(s.name for s in sectors.sectors()) == (
+        "qk", "vo", "perm", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias", "qk_rope",
+        "latent_rotation", "latent_gain")
+    assert projector.SECTORS == gaugeopt.projection.SECTORS == (
+        "qk", "vo", "lrm_qk", "lrm_vo", "lrm_internal", "qk_gain", "key_bias", "value_bias", "qk_rope")
+    assert projector.OPT_IN == ("value_bias",)
+    assert joint.FAMILIES == (("qk", "vo", "lrm_qk", "lrm_vo", "qk_gain", "qk_rope"), ("key_bias", "value_bias"),
+                              ("lrm_internal",))
+    assert joint.OVERLAPPING == ("lrm_internal",) and joint.REDUNDANT == {"lrm_qk": "qk", "lrm_vo": "vo"}
+    assert joint.components(("qk", "vo", "key_bias")) == [[["vo"]], [["qk"], ["key_bias"]]]
+    assert joint.components(("qk_gain", "lrm_internal")) == [[["qk_gain"]], [["lrm_internal"]]]  # gains: no LRM tensor
+
+
 def test_every_reader_sees_a_registered_sector_and_forgets_it_after(toy):
     model, _ = _model()
     assert "qk_scalar" in actions.VALID_KINDS
-    assert "qk_scalar" in projector.SECTORS and "qk_scalar" not in projector.OPT_IN
+    assert "qk_scalar" in projector.SECTORS and "qk_scalar" in gaugeopt.projection.SECTORS
+    assert "qk_scalar" not in projector.OPT_IN
     assert any("qk_scalar" in fam for fam in joint.FAMILIES)
     # it moves q/k weights and biases: projected jointly with qk and key_bias, never with vo
     assert joint.components(("qk_scalar", "vo")) == [[["qk_scalar"]], [["vo"]]]
