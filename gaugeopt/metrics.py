@@ -1,4 +1,7 @@
-"""torchmetrics metrics of gauge drift and vertical fraction; see :mod:`gaugeopt.integrations.metrics`."""
+"""torchmetrics metrics of gauge drift and vertical fraction: their public import path (docs/names.md).
+
+The code lives in :mod:`gaugeopt.integrations.metrics`, which holds the same objects; import from here.
+"""
 
 from gaugeopt.integrations.metrics import QKDriftMetric, ScaleProductMetric, VerticalFractionMetric
 
