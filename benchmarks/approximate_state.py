@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gaugeopt  # noqa: E402
 from gaugeopt.models import GPT, GPTConfig  # noqa: E402
-from recipes.corpus import load_corpus, resolve_corpus_name  # noqa: E402
+from recipes.char_windows import corpus_char_ids, random_windows  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -67,16 +67,8 @@ CASES = {  # name -> (multipliers, make the optimizer from the parameters)
 
 
 def data(n: int, batch: int = 8, block: int = 64, seed: int = 0):
-    text = "\n".join(load_corpus("auto"))[:1_000_000]
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    tokens = torch.tensor([stoi[c] for c in text])
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, len(tokens) - block - 1, (batch,), generator=g)
-        out.append((torch.stack([tokens[i:i + block] for i in idx]), torch.stack([tokens[i + 1:i + block + 1] for i in idx])))
-    return out, len(chars), resolve_corpus_name("auto")
+    tokens, vocab, name = corpus_char_ids(1_000_000)
+    return list(random_windows(tokens, n, batch, block, torch.Generator().manual_seed(seed))), vocab, name
 
 
 def build(vocab: int, lrm: bool) -> GPT:

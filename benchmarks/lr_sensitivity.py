@@ -68,6 +68,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the recipes package (corpus)
 
+from recipes.char_windows import random_windows  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 CONDITIONS: dict[str, dict] = {
@@ -117,12 +119,6 @@ def load(max_chars: int) -> dict:
                 name=resolve_corpus_name("auto"))
 
 
-def windows(tokens: torch.Tensor, n: int, batch: int, block: int, g: torch.Generator):
-    for _ in range(n):
-        idx = torch.randint(0, len(tokens) - block - 1, (batch,), generator=g).tolist()
-        yield (torch.stack([tokens[i:i + block] for i in idx]), torch.stack([tokens[i + 1:i + block + 1] for i in idx]))
-
-
 def lr_at(step: int, steps: int, lr: float) -> float:
     warmup = max(1, steps // 10)
     if step < warmup:
@@ -147,7 +143,7 @@ def validation_loss(model, data: dict, cfg: dict) -> float:
     model.eval()
     g = torch.Generator().manual_seed(7)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = [model(x, y)[1].item() for x, y in windows(data["val"], cfg["val_batches"], cfg["batch"], cfg["block"], g)]
+        losses = [model(x, y)[1].item() for x, y in random_windows(data["val"], cfg["val_batches"], cfg["batch"], cfg["block"], g)]
     model.train()
     return sum(losses) / len(losses)
 
@@ -189,7 +185,7 @@ def run(spec: dict) -> dict:
     loss0 = None  # the first step's training loss: a run that climbs 1 nat above it after the warmup diverged
     steps = cfg["steps"]
     done = 0
-    for step, (x, y) in enumerate(windows(data["train"], steps, cfg["batch"], cfg["block"], g)):
+    for step, (x, y) in enumerate(random_windows(data["train"], steps, cfg["batch"], cfg["block"], g)):
         for o in opts:
             for group in o.param_groups:
                 group["lr"] = lr_at(step, steps, spec["lr"])

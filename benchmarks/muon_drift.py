@@ -48,26 +48,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import gaugeopt  # noqa: E402
 from gaugeopt.models import GPT, GPTConfig  # noqa: E402
-from recipes.corpus import load_corpus, resolve_corpus_name  # noqa: E402
+from recipes.char_windows import corpus_char_ids, random_windows  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def corpus_tokens(max_chars: int = 2_000_000) -> tuple[torch.Tensor, int, str]:
-    name = resolve_corpus_name("auto")
-    text = "\n".join(load_corpus("auto"))[:max_chars]
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    return torch.tensor([stoi[c] for c in text], dtype=torch.long), len(chars), name
-
-
-def windows(tokens: torch.Tensor, n: int, batch: int, block: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, len(tokens) - block - 1, (batch,), generator=g)
-        out.append((torch.stack([tokens[i:i + block] for i in idx]), torch.stack([tokens[i + 1:i + block + 1] for i in idx])))
-    return out
 
 
 def build(vocab: int, lrm: bool, seed: int = 42) -> GPT:
@@ -117,7 +100,7 @@ def train(tokens, vocab, *, lrm: bool, fix_every: int | None, steps: int, batch:
     base = [[g["lr"] for g in o.param_groups] for o in (muon, adamw)]
     fixer = gaugeopt.fix.GaugeFixer(model, [muon, adamw], granularity="head") if fix_every else None
     curve, before = [], []
-    for step, (x, y) in enumerate(windows(tokens, steps, batch, 128, seed)):
+    for step, (x, y) in enumerate(random_windows(tokens, steps, batch, 128, torch.Generator().manual_seed(seed))):
         for o, lrs in zip((muon, adamw), base):
             for g, lr in zip(o.param_groups, lrs):
                 g["lr"] = lr * lr_scale(step, steps)
@@ -175,9 +158,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(RESULTS, "muon_drift_cpu"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    tokens, vocab, corpus = corpus_tokens()
+    tokens, vocab, corpus = corpus_char_ids()
     split = int(0.9 * len(tokens))
-    val = windows(tokens[split:], 8, args.batch, 128, seed=7)
+    val = list(random_windows(tokens[split:], 8, args.batch, 128, torch.Generator().manual_seed(7)))
     t0 = time.time()
     runs, sens = {}, None
     for lrm in (False, True):

@@ -39,27 +39,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import gaugeopt  # noqa: E402
 from gaugeopt.models import GPT, GPTConfig  # noqa: E402
-from recipes.corpus import load_corpus, resolve_corpus_name  # noqa: E402
+from recipes.char_windows import corpus_char_ids, random_windows  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def corpus_tokens(max_chars: int = 2_000_000) -> tuple[torch.Tensor, int, str]:
-    """The built-in corpus as character ids (the first ``max_chars`` characters)."""
-    name = resolve_corpus_name("auto")
-    text = "\n".join(load_corpus("auto"))[:max_chars]
-    chars = sorted(set(text))
-    stoi = {c: i for i, c in enumerate(chars)}
-    return torch.tensor([stoi[c] for c in text], dtype=torch.long), len(chars), name
-
-
-def batches(tokens: torch.Tensor, steps: int, batch: int, block: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        idx = torch.randint(0, len(tokens) - block - 1, (batch,), generator=g)
-        x = torch.stack([tokens[i:i + block] for i in idx])
-        y = torch.stack([tokens[i + 1:i + block + 1] for i in idx])
-        yield x, y
 
 
 def build(vocab: int, block: int, seed: int) -> GPT:
@@ -90,7 +72,7 @@ def train(tokens, vocab, *, steps, batch, block, precision, fix, seed=0, lr=3e-3
     fixer = gaugeopt.fix.GaugeFixer(None, opt, sites=sites) if fix else None
     ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
     trace, drift_before = [], []
-    for step, (x, y) in enumerate(batches(tokens, steps, batch, block, seed)):
+    for step, (x, y) in enumerate(random_windows(tokens, steps, batch, block, torch.Generator().manual_seed(seed))):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr)
         with ctx():
@@ -115,7 +97,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(RESULTS, "qk_norm_drift_cpu"))
     args = ap.parse_args()
     torch.set_num_threads(1)  # a tiny model: one thread is fastest on a shared machine
-    tokens, vocab, corpus = corpus_tokens()
+    tokens, vocab, corpus = corpus_char_ids()
     t0 = time.time()
     runs = {}
     for precision in ("fp32", "bf16"):
