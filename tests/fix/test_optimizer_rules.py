@@ -25,7 +25,7 @@ from gaugeopt.fix.state_rules import state_rule
 from gaugeopt.fix.transport import register_state_rule
 from model_libraries import require
 from transport_helpers import (
-    as_list, batches, fixed_then_step, key_bias_mask, matrices_and_rest, max_rel, oracle, step,
+    Sign, as_list, batches, fixed_then_step, key_bias_mask, matrices_and_rest, max_rel, oracle, step,
 )
 
 
@@ -261,19 +261,6 @@ def test_schedule_free_eval_weights_keep_their_function(cls, fix_in):
 
 
 # ---------------------------------------------------------------------- refusals, and when
-class Sign(torch.optim.Optimizer):
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
-                buf.mul_(0.9).add_(p.grad)
-                p.add_(buf.sign(), alpha=-group["lr"])
-
-
 class Int8Adam(torch.optim.Optimizer):
     """A stand-in for an 8-bit optimizer: its moments are uint8 codes with a per-block scale."""
 

@@ -14,7 +14,7 @@ from gaugeopt.fix import gauge_fix
 from gaugeopt.fix.transport import (
     classify_state, register_state_rule, rescale_param, rescale_state, state_rule, storage_factor,
 )
-from transport_helpers import batches, fixed_then_step, key_bias_mask, max_rel, oracle, step
+from transport_helpers import Sign, batches, fixed_then_step, key_bias_mask, max_rel, oracle, step
 
 OPTIMIZERS = {
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
@@ -97,22 +97,6 @@ def test_rescale_state_formulas():
     assert torch.equal(new["exp_avg_sq"], st["exp_avg_sq"] / s**2)
     assert torch.equal(new["max_exp_avg_sq"], st["max_exp_avg_sq"] / s**2)
     assert torch.equal(new["step"], st["step"])
-
-
-class Sign(torch.optim.Optimizer):
-    """A toy optimizer with a momentum the library does not know (signSGD with momentum)."""
-
-    def __init__(self, params, lr=1e-2):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                buf = st.setdefault("buf", torch.zeros_like(p))
-                buf.mul_(0.9).add_(p.grad)
-                p.add_(buf.sign(), alpha=-group["lr"])
 
 
 def _trained(make_opt):

@@ -143,3 +143,19 @@ def matrices_and_rest(model):
     mats = [p for p in model.parameters() if p.dim() == 2 and id(p) not in emb]
     rest = [p for p in model.parameters() if p.dim() != 2 or id(p) in emb]
     return mats, rest
+
+
+class Sign(torch.optim.Optimizer):
+    """A toy optimizer with a momentum the library does not know (signSGD with momentum)."""
+
+    def __init__(self, params, lr=1e-2):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                buf = st.setdefault("buf", torch.zeros_like(p))
+                buf.mul_(0.9).add_(p.grad)
+                p.add_(buf.sign(), alpha=-group["lr"])
