@@ -18,6 +18,7 @@ import gaugeopt
 import legacy_projection
 import projection_helpers as H
 import zoo
+from errata_helpers import adamw_update
 from gaugeopt import GaugeError
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.projection import dense
@@ -124,18 +125,6 @@ def _exact_fraction(model, field, at=None) -> float:
     return H.norm(v) / H.norm({n: field[n] for n in v})
 
 
-def _adamw_update(model, steps: int = 3, seed: int = 0):
-    """The update AdamW takes after ``steps − 1`` steps on random tokens, and the point it starts from."""
-    x = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(seed))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        opt.zero_grad()
-        model(x, x.roll(-1, 1))[1].backward()
-        opt.step()
-    return {n: p.detach() - before[n] for n, p in model.named_parameters()}, before
-
-
 def _trained(seed: int = 0, steps: int = 150):
     """A small GPT trained on a repeating pattern until its attention is far from initialisation."""
     torch.manual_seed(seed)
@@ -154,11 +143,11 @@ def _trained(seed: int = 0, steps: int = 150):
 def _directions():
     torch.manual_seed(0)
     init = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=64)).double()
-    upd, at = _adamw_update(init)
+    upd, at = adamw_update(init)
     yield "init: AdamW update", init, upd, at
     yield "init: random", init, H.random_field(init, seed=1), None
     trained = _trained()
-    upd, at = _adamw_update(trained)
+    upd, at = adamw_update(trained)
     yield "trained: AdamW update", trained, upd, at
     yield "trained: random", trained, H.random_field(trained, seed=2), None
 
@@ -189,7 +178,7 @@ def test_paper000_can_add_vertical_part():
     vertical part than the update had (the failure its docstring quotes); approx removes it."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=4, n_embd=64)).double()
-    upd, at = _adamw_update(model)
+    upd, at = adamw_update(model)
     before = _exact_fraction(model, upd, at)
     paper = GaugeProjector(model, sectors=("qk", "vo"), mode="paper000").project(upd, at=at)
     approx = GaugeProjector(model, sectors=("qk", "vo"), mode="approx").project(upd, at=at)

@@ -26,6 +26,7 @@ import gaugeopt
 from gaugeopt.structure.invariance import randomize_parameters
 from model_libraries import quiet, require
 from zoo import Case
+from zoo.families import attention_outputs
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB, T, B = 61, 8, 2
@@ -120,22 +121,6 @@ def build(name: str, seed: int = 0) -> Case:
     model = model.double().eval()  # .double(): casts floating tensors only (torchtitan's complex RoPE cache stays complex)
     randomize_parameters(model, torch.Generator().manual_seed(seed))
     return Case(name, model, inputs, lambda m: forward(m, inputs))
-
-
-def attention_outputs(case: Case, model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The model's output and every attention module's output, in one forward."""
-    from gaugeopt.structure.certificate import _first_tensor
-
-    sites = gaugeopt.find_attention(model)
-    outs: list[torch.Tensor] = []
-    hooks = [s.module.register_forward_hook(lambda mod, a, o: outs.append(_first_tensor(o).detach().clone())) for s in sites]
-    try:
-        with torch.no_grad():
-            y = case.forward(model)
-    finally:
-        for h in hooks:
-            h.remove()
-    return y, outs
 
 
 def changes(case: Case, y0, a0, moved) -> tuple[float, float]:
