@@ -7,7 +7,7 @@ projections plus ``q·kᵀ`` again. Rows (``ms`` per call, interleaved rounds, f
 the compute thread's CPU time, one intra-op thread — :func:`speed.make_bench`):
 
 * ``forward``: the model's forward, no gradients; ``forward + logits``: the same under a
-  :class:`~gaugeopt.structure.logits.LogitTracker` (the replay check already done once, as in training);
+  :class:`~gaugeopt.clip.logits.LogitTracker` (the replay check already done once, as in training);
 * ``train step``: forward, backward, AdamW; ``train step + QK-Clip``: the same with
   :class:`~gaugeopt.integrations.clip.ClipSteps` attached (logits read in the training forward, the clip
   after the step; τ chosen so that some heads are clipped).
@@ -36,7 +36,7 @@ sys.path.insert(0, HERE)
 import gaugeopt  # noqa: E402
 from gaugeopt.integrations.clip import ClipSteps  # noqa: E402
 from gaugeopt.models import GPT, GPTConfig  # noqa: E402
-from gaugeopt.structure.logits import LogitTracker  # noqa: E402
+from gaugeopt.clip.logits import LogitTracker  # noqa: E402
 from speed import make_bench  # noqa: E402
 
 SHAPES = {

@@ -36,9 +36,9 @@ import time
 import torch
 
 import gaugeopt
-from gaugeopt.structure.actions import relative_change, scale_qk_multipliers
+from gaugeopt.transforms import relative_change, scale_qk_multipliers
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 
 K_ISSUE = (1, 2, 4, 16, 64)
 K_RANGE = (2.0**10, 2.0**20, 2.0**30, 2.0**40)

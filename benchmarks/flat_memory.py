@@ -3,7 +3,7 @@
 ``gaugeopt.flat_directions`` holds the Jacobian ``J`` (outputs × parameters, float64) from its first
 row to the end, and at its peak one more of: a reverse-mode chunk, the ``n×n`` Gram matrix with one
 factor, the subspace block, the Rayleigh–Ritz factors or the attribution's bases
-(``gaugeopt.tools.flat_cost``). This script runs the meter on tiny Hugging Face GPT-2 models in fresh
+(``gaugeopt.flat.cost``). This script runs the meter on tiny Hugging Face GPT-2 models in fresh
 child processes and reads the kernel's peak resident set size of the run (``VmHWM`` of
 ``/proc/self/status``, reset just before the call through ``/proc/self/clear_refs``: ``getrusage``'s
 ``ru_maxrss`` would keep the parent's peak, which survives ``fork`` and ``exec``), and compares the
@@ -60,7 +60,7 @@ def _build(L: int, H: int, D: int, V: int, length: int, n_seq: int):
     import torch
     import transformers
 
-    from gaugeopt.structure.invariance import randomize_parameters
+    from gaugeopt.trust.invariance import randomize_parameters
     from gaugeopt.tools import flat as F
 
     cfg = transformers.GPT2Config(n_layer=L, n_head=H, n_embd=D, vocab_size=V, n_positions=length, bos_token_id=0,
@@ -104,7 +104,7 @@ def child(L: int, H: int, D: int, V: int, length: int, n_seq: int) -> dict:
 
 def estimate(row: dict) -> dict:
     """The estimates (before the run, and with the block the run used) of a measured point, by the current model."""
-    from gaugeopt.tools.flat_cost import estimate_memory
+    from gaugeopt.flat.cost import estimate_memory
 
     for key, block in (("estimate", "block"), ("estimate_used_block", "block_used")):
         row[key] = estimate_memory(row["n"], row["rows"], row["rows_per_example"], row[block]).peak
@@ -143,8 +143,8 @@ def write(rows: list[dict], stem: str) -> None:
     cpu = _cpu_name()
     lines = [f"### flat_directions memory: measured peak vs estimate_memory ({cpu}, {os.cpu_count()} cores, one thread per run)",
              "", "Peak resident set size of the run above the memory held just before the call (`VmHWM`, reset just "
-             "before the call; one run per process). Estimates: `gaugeopt.tools.flat_cost.estimate_memory` with the null-space block assumed before "
-             "the run (`gaugeopt.tools.flat.preflight`: the complete count, or the rank bound of too little data) and "
+             "before the call; one run per process). Estimates: `gaugeopt.flat.cost.estimate_memory` with the null-space block assumed before "
+             "the run (`gaugeopt.flat.meter.preflight`: the complete count, or the rank bound of too little data) and "
              "with the block the run used (the meter checks the memory again once it knows it). Seconds are wall time "
              "on a shared machine, not a speed measurement.", "",
              "| config (L, h, d, V, len, seqs) | parameters | J rows | nullity | measured | estimate before the run "

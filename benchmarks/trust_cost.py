@@ -1,12 +1,12 @@
 """What trust costs: the one-time proof of a model's attention records, and the per-step re-check.
 
-Every gauge operation passes the gate (:mod:`gaugeopt.structure.gate`): static checks, then a proof
+Every gauge operation passes the gate (:mod:`gaugeopt.trust.gate`): static checks, then a proof
 of each record — one forward on a made-up input to record each attention module's call, then each
 layer rerun alone in float64 under random gauge transformations — once per model structure. Long-
 lived users (a fixer, a projector, a callback) then re-check a snapshot of what the records rely on
 before every use. This script measures, on one machine, side by side in one run:
 
-* ``proof``: :func:`gaugeopt.structure.gate.trusted_sites` on a freshly built model (records found,
+* ``proof``: :func:`gaugeopt.trust.gate.trusted_sites` on a freshly built model (records found,
   static checks, the example forward, every layer certified) — the one-time cost;
 * ``static checks``: the checks alone, on the proved model (what a full gate pass costs again after
   a change is detected);
@@ -41,9 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from gaugeopt.structure.gate import Gate, trusted_sites
-from gaugeopt.structure.registry import find_attention
-from gaugeopt.structure.static_checks import static_problems
+from gaugeopt.trust.gate import Gate, trusted_sites
+from gaugeopt.adapters.find import find_attention
+from gaugeopt.trust.static_checks import static_problems
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -19,30 +19,30 @@ Example:
     (2, 256)
 """
 
-from gaugeopt.structure.actions import invalid_gauge_transform, random_gauge_transform, relative_change
+from gaugeopt.transforms import invalid_gauge_transform, random_gauge_transform, relative_change
 from gaugeopt.tools.canonical import canonical_metrics, canonicalize
 from gaugeopt.tools.checkpoint import load_checkpoint, save_checkpoint
-from gaugeopt.tools.counting import gauge_dimension
-from gaugeopt.tools.flat import FlatReport, flat_directions
+from gaugeopt.flat.counting import gauge_dimension
+from gaugeopt.flat.meter import FlatReport, flat_directions
 from gaugeopt.projection.diagnostics import vertical_fraction, vertical_report
 from gaugeopt.tools.equivalence import equivalent, spectral_fingerprint
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix import FixOptions, GaugeFixer, GaugeFixReport, gauge_fix, qk_drift, vo_drift
-from gaugeopt.structure.lrm import LRMLinear, apply_lrm, lrm_param_groups
+from gaugeopt.adapters.apply_lrm import LRMLinear, apply_lrm, lrm_param_groups
 from gaugeopt.tools.merging import merge
 from gaugeopt.integrations.optim import GaugeOptimizer, GaugeProjected
 from gaugeopt.projection.projector import GaugeProjector
-from gaugeopt.structure.rope import RopeSpec
-from gaugeopt.structure.site import AttentionSite
-from gaugeopt.structure.registry import find_attention, register_adapter
-from gaugeopt.structure.spec import AttentionSpec, QKNormSpec, site_from_linears
-from gaugeopt.structure.certificate import CertificateReport, certify
-from gaugeopt.structure.gate import assume_certified
-from gaugeopt.structure.static_checks import read_only_hook
-from gaugeopt.structure.stock import accept_patch
+from gaugeopt.records.rope import RopeSpec
+from gaugeopt.records.site import AttentionSite
+from gaugeopt.adapters.find import find_attention, register_adapter
+from gaugeopt.adapters.spec import AttentionSpec, QKNormSpec, site_from_linears
+from gaugeopt.trust.proof import CertificateReport, certify
+from gaugeopt.trust.gate import assume_certified
+from gaugeopt.trust.static_checks import read_only_hook
+from gaugeopt.adapters.stock import accept_patch
 from gaugeopt.fix.transport import register_state_rule
-from gaugeopt.structure.logits import max_attention_logits
-from gaugeopt.fix.qk_clip import QKClipReport, qk_clip
+from gaugeopt.clip.logits import max_attention_logits
+from gaugeopt.clip.qk_clip import QKClipReport, qk_clip
 
 __version__ = "0.1.0"
 

@@ -49,9 +49,9 @@ from gaugeopt.distributed import full, is_dtensor
 from gaugeopt.fix.options import FixOptions, resolve_options
 from gaugeopt.fix.plan import PairPlan, plan_pairs
 from gaugeopt.fix.transport import reduced_ref
-from gaugeopt.structure.pair import Member, PairSide
-from gaugeopt.structure.registry import find_attention
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.pair import Member, PairSide
+from gaugeopt.adapters.find import find_attention
+from gaugeopt.records.site import AttentionSite
 
 __all__ = [
     "read_mean_squares",

@@ -60,8 +60,8 @@ from gaugeopt.fix.report import GaugeFixReport, PairRecord
 from gaugeopt.fix.torch_backend import SpecialMap, StateMap, TorchFix, measured_scales, plan_batches
 from gaugeopt.fix.transport import param_owners, plan_state, storage_factor
 from gaugeopt.kernels import dispatch
-from gaugeopt.structure.gate import Gate, trusted_sites
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.trust.gate import Gate, trusted_sites
+from gaugeopt.records.site import AttentionSite
 
 __all__ = ["GaugeFixer", "gauge_fix", "check_optimizer_owns", "factor_probe"]
 

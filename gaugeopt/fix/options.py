@@ -39,11 +39,11 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES
 from gaugeopt.kernels.dispatch import BACKENDS
 
-__all__ = ["FixOptions", "GRANULARITIES", "VO_GRANULARITIES", "MODES", "FIELDS", "check_choice", "resolve_options"]
+__all__ = ["FixOptions", "GRANULARITIES", "VO_GRANULARITIES", "FIX_MODES", "FIELDS", "check_choice", "resolve_options"]
 
 GRANULARITIES = ("auto", "head", "channel", "plane")
 VO_GRANULARITIES = ("head", "channel")
-MODES = ("auto", "lrm", "plain")
+FIX_MODES = ("auto", "lrm", "plain")
 
 
 def check_choice(name: str, value, choices) -> None:
@@ -114,7 +114,7 @@ class FixOptions:
     def __post_init__(self) -> None:
         check_choice("granularity", self.granularity, GRANULARITIES)
         check_choice("vo_granularity", self.vo_granularity, VO_GRANULARITIES)
-        check_choice("mode", self.mode, MODES)
+        check_choice("mode", self.mode, FIX_MODES)
         check_choice("unknown_state", self.unknown_state, UNKNOWN_STATE_POLICIES)
         check_choice("backend", self.backend, BACKENDS)
         for flag in ("transport_state", "vo", "rescale_frozen"):

@@ -1,7 +1,7 @@
 """The plan of a gauge fix: which tensors form each side, and which channels share one scale.
 
 A :class:`PairPlan` is built once from an :class:`~gaugeopt.AttentionSite`'s
-:class:`~gaugeopt.structure.pair.GaugePair` and the options; no tensor is read. The fix
+:class:`~gaugeopt.records.pair.GaugePair` and the options; no tensor is read. The fix
 (:mod:`gaugeopt.fix.gaugefix`), its drift metrics (:mod:`gaugeopt.fix.drift`) and both fix
 backends consume plans.
 
@@ -30,7 +30,7 @@ on these layers, so the mode is ``"plain"``. The latent spaces' gains are left a
 * ``"channel"`` — one slot per channel; refused under RoPE, where scaling the two coordinates of a
   rotation plane differently does not commute with the rotation;
 * ``"plane"``   — one slot per RoPE plane, and one per non-rotary channel
-  (:func:`gaugeopt.structure.rope.plane_index`); without RoPE it equals ``"channel"``;
+  (:func:`gaugeopt.records.rope.plane_index`); without RoPE it equals ``"channel"``;
 * ``"auto"``    — ``"plane"`` under RoPE, ``"head"`` otherwise; for QK-norm gains the finest slots
   the gain gauge allows: ``"plane"`` when the norm acts before RoPE, ``"channel"`` otherwise.
 
@@ -54,16 +54,16 @@ import torch
 
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.options import (
-    GRANULARITIES, MODES, VO_GRANULARITIES, FixOptions, check_choice, resolve_options,
+    GRANULARITIES, FIX_MODES, VO_GRANULARITIES, FixOptions, check_choice, resolve_options,
 )
-from gaugeopt.structure.pair import GaugePair, Member, PairSide
-from gaugeopt.structure.rope import plane_index
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.pair import GaugePair, Member, PairSide
+from gaugeopt.records.rope import plane_index
+from gaugeopt.records.site import AttentionSite
 
 __all__ = [
     "GRANULARITIES",
     "VO_GRANULARITIES",
-    "MODES",
+    "FIX_MODES",
     "PairPlan",
     "plan_pairs",
     "check_choice",
@@ -89,7 +89,7 @@ class PairPlan:
     ``slot[c]`` is the scale slot of channel ``c`` (``(width,)`` long, values ``< n_slots``).
 
     Attributes:
-        pair: the site's :class:`~gaugeopt.structure.pair.GaugePair`.
+        pair: the site's :class:`~gaugeopt.records.pair.GaugePair`.
         mode: ``"lrm"``, ``"plain"`` or ``"gain"`` (resolved; ``"gain"`` for a QK-norm site's gains).
         granularity: ``"head"``, ``"channel"`` or ``"plane"`` (resolved).
         members_a, members_b: the tensors each side's factor rescales.

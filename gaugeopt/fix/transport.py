@@ -20,7 +20,7 @@ what is declared approximate, what is refused; docs/optimizers.md). This module 
   :mod:`gaugeopt.fix.unwrap`'s, re-exported here.
 
 The factor ``s`` is given in *storage layout*, broadcastable against the parameter
-(:func:`storage_factor` builds it from a factor in a :class:`~gaugeopt.structure.site.TensorRef`'s
+(:func:`storage_factor` builds it from a factor in a :class:`~gaugeopt.records.site.TensorRef`'s
 canonical view). Parameters and state that are DTensors (FSDP2) are rescaled shard-locally.
 
 Example:
@@ -47,8 +47,8 @@ from gaugeopt.distributed import local_factor, local_view
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.state_rules import StateMove, StateRefused, register_state_rule, state_moves, state_rule
 from gaugeopt.fix.unwrap import inner_optimizer, param_owners, unwrap_optimizer, unwrap_optimizers, wrapped_chain
-from gaugeopt.structure.pair import Member
-from gaugeopt.structure.site import TensorRef
+from gaugeopt.records.pair import Member
+from gaugeopt.records.site import TensorRef
 
 __all__ = [
     "UNKNOWN_STATE_POLICIES",
@@ -197,7 +197,7 @@ def _scale_(t: torch.Tensor, factor: torch.Tensor, power: int) -> None:
 def reduced_ref(member: Member) -> tuple[TensorRef, int | None, tuple[int, ...]]:
     """The member's "one value per channel" layout.
 
-    A diagonal gauge factor is constant along :attr:`~gaugeopt.structure.pair.Member.broadcast_axis`
+    A diagonal gauge factor is constant along :attr:`~gaugeopt.records.pair.Member.broadcast_axis`
     of a weight (the input axis of a Q/K/V weight, the output axis of the O weight); 1-D tensors
     (biases, multipliers) have none.
 

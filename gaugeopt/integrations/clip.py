@@ -3,7 +3,7 @@
 :class:`ClipSteps` is a :class:`~gaugeopt.integrations.steps.StepCounter` (the core the GaugeFix and
 projection integrations share: the optimizer owning the attention parameters, its real steps counted
 through its step hooks, counters in checkpoints). It adds one thing, a
-:class:`~gaugeopt.structure.logits.LogitTracker` on the attention modules, switched on only for the
+:class:`~gaugeopt.clip.logits.LogitTracker` on the attention modules, switched on only for the
 training forwards (gradients enabled) of a step that will be clipped — every micro-batch of it under
 gradient accumulation; a validation loop under ``torch.no_grad`` is not read. After every
 ``every``-th real step, in the optimizer's step post-hook, it calls :func:`gaugeopt.qk_clip` with
@@ -46,12 +46,12 @@ from typing import Any, Sequence
 import torch
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.fix.qk_clip import QKClipReport, clip_sites
+from gaugeopt.clip.qk_clip import QKClipReport, clip_sites
 from gaugeopt.fix.transport import UNKNOWN_STATE_POLICIES
 from gaugeopt.fix.unwrap import wrapped_chain
 from gaugeopt.integrations.steps import StepCounter
-from gaugeopt.structure.logits import LogitTracker
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.clip.logits import LogitTracker
+from gaugeopt.records.site import AttentionSite
 
 __all__ = ["ClipSteps"]
 

@@ -31,7 +31,7 @@ of the optimizer state.
 bit-identically (on CPU) to an uninterrupted one.
 
 **Certificate.** No record is used before it is proved on the model as it is now
-(:mod:`gaugeopt.structure.gate`, ``docs/trust.md``). With ``certify=True`` (the default) the
+(:mod:`gaugeopt.trust.gate`, ``docs/trust.md``). With ``certify=True`` (the default) the
 callback proves the records at ``setup`` on an input gaugeopt makes up for the models it knows, or
 else records each attention module's real call during the first training batch's forward — the batch
 exactly as your ``training_step`` feeds it — and proves the records before the first optimizer step.
@@ -58,11 +58,11 @@ from typing_extensions import override
 
 from gaugeopt.fix.drift import drift_table, product_stats, worst
 from gaugeopt.fix.gaugefix import GaugeFixer
-from gaugeopt.fix.plan import MODES, check_choice
+from gaugeopt.fix.options import FIX_MODES, check_choice
 from gaugeopt.integrations.clip import ClipSteps
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps, StepCounter, owning_optimizers
-from gaugeopt.structure.site import AttentionSite
-from gaugeopt.structure.registry import find_attention
+from gaugeopt.records.site import AttentionSite
+from gaugeopt.adapters.find import find_attention
 
 __all__ = ["GaugeFix", "GaugeMonitor", "GaugeProjection", "QKClip"]
 
@@ -151,7 +151,7 @@ class GaugeMonitor(_StepCounter):
         certify: bool = True,
     ) -> None:
         super().__init__(every, sites, prefix, certify)
-        check_choice("mode", mode, MODES)
+        check_choice("mode", mode, FIX_MODES)
         self.mode = mode
         self.measure_vertical = vertical_fraction
         self._snapshot: dict[str, torch.Tensor] | None = None

@@ -94,7 +94,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.options import FixOptions, resolve_options
 from gaugeopt.integrations.schedule import Schedule, check_every
-from gaugeopt.projection.projector import MODES, GaugeProjector, check_mode
+from gaugeopt.projection.projector import PROJECTION_MODES, GaugeProjector, check_mode
 from gaugeopt.projection.step import remove_vertical_grad_, remove_vertical_update_, snapshot, vertical_fraction_of
 
 __all__ = ["GaugeOptimizer", "GaugeProjected"]
@@ -466,7 +466,7 @@ class GaugeOptimizer(torch.optim.Optimizer):
             for o, s_ in zip(self.optimizers, inner):
                 o.load_state_dict(s_)
         if own is not None:
-            if own.get("project") not in _PROJECT or own.get("mode") not in MODES:
+            if own.get("project") not in _PROJECT or own.get("mode") not in PROJECTION_MODES:
                 raise GaugeError(f"GaugeOptimizer.load_state_dict: unreadable options in {_STATE_KEY!r}: {own}")
             self._schedule.steps, self._fixes = int(own["step"]), int(own["fixes"])
             self.nonfinite_steps = int(own.get("nonfinite_steps", 0))

@@ -60,9 +60,9 @@ from gaugeopt.fix.options import FixOptions, check_choice, resolve_options
 from gaugeopt.fix.plan import plan_pairs
 from gaugeopt.fix.unwrap import owning_optimizer, owning_optimizers, wrapped_chain
 from gaugeopt.integrations.schedule import Schedule, check_every
-from gaugeopt.structure.certificate import CertificateReport
-from gaugeopt.structure.gate import Gate
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.trust.proof import CertificateReport
+from gaugeopt.trust.gate import Gate
+from gaugeopt.records.site import AttentionSite
 
 __all__ = ["check_every", "owning_optimizer", "owning_optimizers", "StepCounter", "FixSteps", "ProjectSteps"]
 
@@ -133,7 +133,7 @@ class StepCounter:
     # -- wiring ----------------------------------------------------------------------------
     def bind(self, model: nn.Module) -> None:
         """Pass ``model``'s attention records (or the ``sites`` given) through the gate
-        (:class:`~gaugeopt.structure.gate.Gate`: checked, and proved now or on the first training
+        (:class:`~gaugeopt.trust.gate.Gate`: checked, and proved now or on the first training
         batch) and validate the options against them."""
         self._module = model
         self._gate = Gate(model, type(self).__name__, sites=self._given_sites, automatic=self.certify)

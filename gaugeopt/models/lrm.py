@@ -18,7 +18,7 @@ decay them differently, so they must be separate parameters:
 This module is the layer alone, a building block of models like :mod:`gaugeopt.models.gpt`; it
 imports nothing of gaugeopt but its errors, so every layer of the package may read it. Converting
 a model's linear layers and grouping the multipliers for an optimizer read the attention records,
-and live with them (:mod:`gaugeopt.structure.lrm`: :func:`gaugeopt.apply_lrm`,
+and live with them (:mod:`gaugeopt.adapters.apply_lrm`: :func:`gaugeopt.apply_lrm`,
 :func:`gaugeopt.lrm_param_groups`).
 
 Example:

@@ -14,9 +14,9 @@
 """
 
 from gaugeopt.projection import projector as _projector
-from gaugeopt.projection.projector import MODES, Decomposition, GaugeProjector
+from gaugeopt.projection.projector import PROJECTION_MODES, Decomposition, GaugeProjector
 
-__all__ = ["Decomposition", "GaugeProjector", "MODES", "SECTORS"]
+__all__ = ["Decomposition", "GaugeProjector", "PROJECTION_MODES", "SECTORS"]
 
 
 def __getattr__(name: str):

@@ -1,6 +1,6 @@
 """The bias sectors as projection sectors: ``key_bias`` and ``value_bias``.
 
-The sectors of :mod:`gaugeopt.structure.bias`, in the coordinates the optimizer sees (``b̄`` with
+The sectors of :mod:`gaugeopt.records.bias_sector`, in the coordinates the optimizer sees (``b̄`` with
 the effective bias ``r ⊙ b̄`` under learnable multipliers), per site, KV group ``j`` and channel ``c``:
 
 ``key_bias`` — generator ``δb̄_K[j, c] = 1/r_K[j, c]`` on a non-rotary channel ``c``: a coordinate
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import torch
 
-from gaugeopt.structure.bias import BiasSector
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.bias_sector import BiasSector
+from gaugeopt.records.site import AttentionSite
 
 __all__ = ["BiasShiftSector"]
 

@@ -29,7 +29,7 @@ from typing import Callable, Sequence, Union
 import torch
 
 from gaugeopt.projection.dense import DenseSector
-from gaugeopt.structure.site import TensorRef
+from gaugeopt.records.site import TensorRef
 
 __all__ = ["Context", "Decomposition", "Tensors", "accessor", "names_of", "vertical_family"]
 

@@ -89,8 +89,8 @@ from dataclasses import dataclass
 import torch
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.pair import GaugePair, PairSide
-from gaugeopt.structure.site import AttentionSite, TensorRef
+from gaugeopt.records.pair import GaugePair, PairSide
+from gaugeopt.records.site import AttentionSite, TensorRef
 from gaugeopt.projection import sylvester
 from gaugeopt.projection.cg import batched_pcg
 from gaugeopt.projection.planes import plane_apply, plane_prepare

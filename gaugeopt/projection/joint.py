@@ -55,12 +55,12 @@ import torch
 
 from gaugeopt.projection.cg import HostScalars, pcg
 from gaugeopt.projection.context import Context, names_of, vertical_family
-from gaugeopt.structure import sectors
+from gaugeopt import sectors
 
 __all__ = ["FAMILIES", "OVERLAPPING", "REDUNDANT", "components", "qk_with_key_bias", "joint_component", "joint_solve"]
 
 # What the joint projection needs to know about the sectors is derived from the registry
-# (gaugeopt.structure.sectors): two sectors share parameter entries when the roles their Projection
+# (gaugeopt.sectors): two sectors share parameter entries when the roles their ProjectionRule
 # moves intersect; FAMILIES are first-fit groups of mutually disjoint sectors in registration order,
 # with the sectors marked ``last`` (they overlap every other family) in a family of their own at the end;
 # REDUNDANT maps a sector to the one beside which (and the ``last`` family) its span is redundant.

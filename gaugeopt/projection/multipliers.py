@@ -5,7 +5,7 @@ gauges that move the *multipliers* (paper 002). Their generators, in the coordin
 optimizer sees (``W̄, b̄, r, c``), and the closed forms used to project them out:
 
 ``lrm_qk`` — ``r_Q[i] ← r_Q[i] ⊙ δ``, ``r_K[j] ← r_K[j] ⊘ δ`` per KV group ``j``, one ``δ`` per
-    channel, or per RoPE plane (both coordinates share it; :func:`gaugeopt.structure.rope.plane_index`).
+    channel, or per RoPE plane (both coordinates share it; :func:`gaugeopt.records.rope.plane_index`).
     Generator of channel set ``π``: ``δr_Q[i, c] = r_Q[i, c]``, ``δr_K[j, c] = −r_K[j, c]``
     (``c ∈ π``, ``i`` in group ``j``). Different ``(j, π)`` touch disjoint entries, so the
     projection is one ratio each (docs/projection.md):
@@ -64,8 +64,8 @@ from dataclasses import dataclass
 import torch
 
 from gaugeopt.models.lrm import LRMLinear
-from gaugeopt.structure.rope import plane_index
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.rope import plane_index
+from gaugeopt.records.site import AttentionSite
 from gaugeopt.projection.cg import batched_pcg
 
 __all__ = ["DiagonalSector", "InternalSector"]
@@ -80,7 +80,7 @@ def _safe_inv(den: torch.Tensor, rtol: float, scale: torch.Tensor | None = None)
 class DiagonalSector:
     """A diagonal gauge between the two sides of each site's pair, one closed-form coefficient per
     group and slot: ``lrm_qk``/``lrm_vo`` (the ``mult`` of each side of the ``"qk"``/``"vo"``
-    :class:`~gaugeopt.structure.pair.GaugePair`, sites with multipliers) and ``qk_gain`` (the
+    :class:`~gaugeopt.records.pair.GaugePair`, sites with multipliers) and ``qk_gain`` (the
     ``"qk_gain"`` pair of QK-norm sites: gains ``g + offset`` and the LayerNorm biases that travel
     with them). A QK-norm site has no ``lrm_qk`` sector: rescaling ``r_Q`` against ``r_K`` changes
     its function.

@@ -29,7 +29,7 @@ sector            generators (per KV group / channel / block)      solver
                   one key they share (docs/mla.md)
 ================  ==============================================  ==============================
 
-The bias sectors (:mod:`gaugeopt.structure.bias`, :mod:`gaugeopt.projection.bias`) are present where
+The bias sectors (:mod:`gaugeopt.records.bias_sector`, :mod:`gaugeopt.projection.bias`) are present where
 the biases are: ``key_bias`` needs a key bias on channels RoPE does not rotate (none under full
 RoPE or a QK-norm), ``value_bias`` value and output biases.
 
@@ -66,7 +66,7 @@ an AdamW update's norm — so ``"auto"`` (every sector the model has) leaves ``v
 one fused Triton launch on CUDA tensors when projected on their own
 (:mod:`gaugeopt.projection.routing`, decided once per kind of input).
 
-**Modes** (:data:`MODES`, checked by :func:`check_mode`). ``"exact"``: the Sylvester solve.
+**Modes** (:data:`PROJECTION_MODES`, checked by :func:`check_mode`). ``"exact"``: the Sylvester solve.
 ``"approx"``: a fixed number (``approx_iters``) of conjugate-gradient steps on the same normal
 equations, preconditioned by one ADI step (two Cholesky factorisations, no eigendecomposition),
 warm-started from the best multiple of the previous call's coefficients. CG minimises the norm of the vertical part it leaves behind
@@ -123,19 +123,19 @@ from gaugeopt.projection.context import Context, Decomposition, Tensors, accesso
 from gaugeopt.projection.multipliers import DiagonalSector, InternalSector
 from gaugeopt.projection.dense import DenseSector
 from gaugeopt.projection.routing import KernelRoute
-from gaugeopt.structure import sectors as sector_registry
-from gaugeopt.structure.gate import Gate
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt import sectors as sector_registry
+from gaugeopt.trust.gate import Gate
+from gaugeopt.records.site import AttentionSite
 from gaugeopt.projection.sylvester import default_cg_tol, default_rtol
 
-__all__ = ["SECTORS", "OPT_IN", "MODES", "check_mode", "projectable", "opt_in", "GaugeProjector", "Decomposition",
+__all__ = ["SECTORS", "OPT_IN", "PROJECTION_MODES", "check_mode", "projectable", "opt_in", "GaugeProjector", "Decomposition",
            "horizontal"]
 
 # The projectable sectors and the ones "auto" leaves out are the sector registry's
-# (gaugeopt.structure.sectors: a Sector with a Projection; opt_in=True): read as SECTORS and OPT_IN.
+# (gaugeopt.sectors: a Sector with a Projection; opt_in=True): read as SECTORS and OPT_IN.
 # value_bias is opt-in: the value-bias trade couples V/O to the output bias, and projecting {vo, value_bias}
 # jointly costs ~10 CG iterations of the vo sector (~9x the head gauges on a GPT-2 layer) for ~3% of an
-# AdamW update's norm (tests/structure/test_bias_sectors.py measures both).
+# AdamW update's norm (tests/sectors/test_bias_sectors.py measures both).
 
 
 def projectable() -> tuple[str, ...]:
@@ -157,14 +157,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-MODES = ("exact", "approx", "paper000")
+PROJECTION_MODES = ("exact", "approx", "paper000")
 
 
 def check_mode(mode: str, owner: str = "GaugeProjector") -> None:
-    """Raise :class:`GaugeError` unless ``mode`` is one of :data:`MODES` (the one check the
+    """Raise :class:`GaugeError` unless ``mode`` is one of :data:`PROJECTION_MODES` (the one check the
     projector, :class:`gaugeopt.GaugeOptimizer` and the Lightning callback share)."""
-    if mode not in MODES:
-        raise GaugeError(f"{owner}: mode={mode!r} is not one of {MODES}")
+    if mode not in PROJECTION_MODES:
+        raise GaugeError(f"{owner}: mode={mode!r} is not one of {PROJECTION_MODES}")
 
 
 class GaugeProjector:
@@ -254,7 +254,7 @@ class GaugeProjector:
                     f"GaugeProjector: sectors {missing} are not present in this model (it has {available}); "
                     "the lrm_* sectors need learnable multipliers (gaugeopt.apply_lrm); a QK-norm layer has "
                     "'qk_gain' instead of 'qk' and 'lrm_qk' (docs/qk_norm.md); 'key_bias' needs a key bias on "
-                    "channels RoPE does not rotate, 'value_bias' value and output biases (gaugeopt.structure.bias)"
+                    "channels RoPE does not rotate, 'value_bias' value and output biases (gaugeopt.records.bias_sector)"
                 )
             chosen = tuple(dict.fromkeys(chosen))
         self.sectors: tuple[str, ...] = chosen
@@ -278,7 +278,7 @@ class GaugeProjector:
 
     # ------------------------------------------------------------------ structure
     def _build(self, sec, keep, lrm_modules: list, pname: dict[int, str]):
-        """The solver object of one registered sector (its :class:`~gaugeopt.structure.sectors.Projection`):
+        """The solver object of one registered sector (its :class:`~gaugeopt.sectors.ProjectionRule`):
         over the records it applies to, or over the LRM layers, less the frozen units when asked."""
         p, name = sec.projection, sec.name
         if p.units == "lrm_layers":
@@ -326,7 +326,7 @@ class GaugeProjector:
 
     @property
     def gate(self):
-        """The :class:`~gaugeopt.structure.gate.Gate` the records passed (``gate.ensure()`` re-checks them)."""
+        """The :class:`~gaugeopt.trust.gate.Gate` the records passed (``gate.ensure()`` re-checks them)."""
         return self._gate
 
     def _require_certified(self) -> None:

@@ -37,7 +37,7 @@ import torch
 from gaugeopt.kernels import dispatch
 from gaugeopt.projection import joint
 from gaugeopt.projection.triton_backend import FUSED_SECTORS, fused_refs, unsupported_reason
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.site import AttentionSite
 
 __all__ = ["KernelRoute"]
 

@@ -1,6 +1,6 @@
 """Row views of one side of a gauge pair, and the per-group sums the dense and plane solves share.
 
-A side of a :class:`~gaugeopt.structure.pair.GaugePair` (the query heads' rows and biases, the key
+A side of a :class:`~gaugeopt.records.pair.GaugePair` (the query heads' rows and biases, the key
 head's, the V rows, the O columns) is read from any tensor store — the weights at θ, the vector
 field, the output — as :class:`Rows`: the weight's canonical rows ``(heads, n, m)`` (the O columns
 transposed, a view) and the bias ``(heads, n)``. Heads are grouped ``k`` per KV group:
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gaugeopt.structure.pair import PairSide
+from gaugeopt.records.pair import PairSide
 
 __all__ = ["Rows", "rows", "sel", "sel_rows", "grouped_sum", "per_head", "zero_coef"]
 

@@ -5,7 +5,7 @@ of full-rotary RoPE layers (a closed form per plane) here when its route
 (:mod:`gaugeopt.projection.routing`) picks Triton. This module says why the kernel cannot take a
 model (:func:`unsupported_reason`), describes the sites as the kernel op's tensors
 (:func:`describe`: which tensors form each side comes from the sites'
-:class:`~gaugeopt.structure.pair.GaugePair`) and runs it (:func:`vertical_triton`); the kernels,
+:class:`~gaugeopt.records.pair.GaugePair`) and runs it (:func:`vertical_triton`); the kernels,
 their launchers and their plain-torch references are :mod:`gaugeopt.kernels.projection`.
 """
 
@@ -18,9 +18,9 @@ import torch
 from gaugeopt.errors import GaugeError
 from gaugeopt.distributed import is_dtensor
 from gaugeopt.projection.sylvester import default_rtol
-from gaugeopt.structure.pair import GaugePair, Member
-from gaugeopt.structure.rope import plane_index
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.pair import GaugePair, Member
+from gaugeopt.records.rope import plane_index
+from gaugeopt.records.site import AttentionSite
 
 __all__ = ["FUSED_SECTORS", "unsupported_reason", "vertical_triton", "describe", "fused_sites", "fused_refs"]
 

@@ -20,7 +20,7 @@ serves a whole group, so the query condition is on the group sum ``P`` (for ``h_
 is the paper's per-head condition). Biases travel covariantly (paper 000 Prop. 12):
 ``b_Q ← Aᵀb_Q``, ``b_K ← A⁻¹b_K``, ``b_V ← Cᵀb_V``; the head gauges leave the output bias alone.
 
-**Bias sectors** (:mod:`gaugeopt.structure.bias`). Prop. 12's laws are unique only up to two more
+**Bias sectors** (:mod:`gaugeopt.records.bias_sector`). Prop. 12's laws are unique only up to two more
 exact symmetries: the key bias is free on the non-rotary channels (softmax ignores a score shift
 common to all keys) and the value bias trades against the output bias (attention rows sum to
 one). With ``biases="fold"`` (default) the form fixes them too — ``b_K = 0`` on the non-rotary
@@ -111,13 +111,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
-from gaugeopt.structure.latent import act_qk_rope
+from gaugeopt.transforms import act_qk, act_vo, permute_heads
+from gaugeopt.records.latent import act_qk_rope
 from gaugeopt.errors import GaugeError
 from gaugeopt.models.lrm import LRMLinear
-from gaugeopt.structure.site import AttentionSite
-from gaugeopt.structure.gate import trusted_sites
-from gaugeopt.structure.registry import find_attention
+from gaugeopt.records.site import AttentionSite
+from gaugeopt.trust.gate import trusted_sites
+from gaugeopt.adapters.find import find_attention
 from gaugeopt.tools.canonical_parts import (  # noqa: F401  (the public ones re-exported)
     gain_cubes,
     gain_section,

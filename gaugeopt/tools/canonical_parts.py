@@ -11,7 +11,7 @@ at rounding level is not unique, and :func:`~gaugeopt.tools.canonical.canonicali
 Example:
     >>> import torch
     >>> from gaugeopt.models import GPT, GPTConfig
-    >>> from gaugeopt.structure.registry import find_attention
+    >>> from gaugeopt.adapters.find import find_attention
     >>> from gaugeopt.tools.canonical_parts import effective_tensors
     >>> site = find_attention(GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8)))[0]
     >>> {k: tuple(v.shape) for k, v in effective_tensors(site).items() if v is not None and k in ("wq", "wk")}
@@ -24,13 +24,13 @@ import functools
 
 import torch
 
-from gaugeopt.structure.actions import scale_qk_gains, shift_key_bias, trade_value_bias
-from gaugeopt.structure.latent import rotate_latent, scale_latent_gain
+from gaugeopt.transforms import scale_qk_gains, shift_key_bias, trade_value_bias
+from gaugeopt.records.latent import rotate_latent, scale_latent_gain
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix.drift import read_mean_squares, slot_rms
-from gaugeopt.structure.pair import query_rows
-from gaugeopt.structure.rope import plane_index
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.pair import query_rows
+from gaugeopt.records.rope import plane_index
+from gaugeopt.records.site import AttentionSite
 
 __all__ = [
     "effective_tensors", "fold_bias_tensors", "fold_biases", "stack_queries", "stack_outputs", "qk_factor", "refuse_layer_norm", "refuse_latent", "gain_scales", "gain_cubes", "gain_section", "latent_rows", "latent_section", "rope_factor", "vo_factor", "head_energies", "rope_rows", "head_order",
@@ -57,7 +57,7 @@ def effective_tensors(site: AttentionSite, *, fold_biases: bool = False) -> dict
 def fold_bias_tensors(site: AttentionSite, t: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
     """The bias sectors' representative of :func:`effective_tensors`' ``t`` (a new dict): the
     key-bias shift ``δ = −b_K`` on the non-rotary channels and the value-bias trade ``δ = −b_V``
-    (:mod:`gaugeopt.structure.bias`), where the site has them; other entries are shared."""
+    (:mod:`gaugeopt.records.bias_sector`), where the site has them; other entries are shared."""
     out = dict(t)
     kinds = site.bias_kinds
     if "key_bias" in kinds:
@@ -73,9 +73,9 @@ def fold_bias_tensors(site: AttentionSite, t: dict[str, torch.Tensor | None]) ->
 @torch.no_grad()
 def fold_biases(site: AttentionSite) -> int:
     """Move ``site`` to the bias sectors' representative, in place (the function is unchanged):
-    ``b_K ← 0`` on the non-rotary channels (:func:`~gaugeopt.structure.actions.shift_key_bias`),
+    ``b_K ← 0`` on the non-rotary channels (:func:`~gaugeopt.transforms.shift_key_bias`),
     ``b_O ← b_O + Σ_i W_O[:, i] b_V[g(i)]``, ``b_V ← 0``
-    (:func:`~gaugeopt.structure.actions.trade_value_bias`). Returns how many bias entries became pure
+    (:func:`~gaugeopt.transforms.trade_value_bias`). Returns how many bias entries became pure
     zeros (``h_kv·(d_k − r)`` + ``h_kv·d_v`` where the site has the sectors)."""
     zeroed = 0
     for kind in site.bias_kinds:
@@ -89,7 +89,7 @@ def fold_biases(site: AttentionSite) -> int:
 
 def stack_queries(site: AttentionSite, wq: torch.Tensor) -> torch.Tensor:
     """``(h, d_k, d) -> (h_kv, d_k, n_rep·d)``: the query rows of each KV group side by side,
-    so that ``S Sᵀ = Σ_i W_Q[i]W_Q[i]ᵀ`` (:meth:`~gaugeopt.structure.pair.PairSide.stack`)."""
+    so that ``S Sᵀ = Σ_i W_Q[i]W_Q[i]ᵀ`` (:meth:`~gaugeopt.records.pair.PairSide.stack`)."""
     return query_rows(site).stack(wq)
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.lrm import apply_lrm, is_lrm
+from gaugeopt.adapters.apply_lrm import apply_lrm, is_lrm
 
 __all__ = [
     "GPT_TYPE",

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.tools.flat import DEFAULT_MAX_PARAMS
+from gaugeopt.flat.meter import DEFAULT_MAX_PARAMS
 
 __all__ = ["main", "build_parser"]
 
@@ -132,7 +132,7 @@ def _check_output(out: str, ckpts, force: bool) -> None:
 # ---------------------------------------------------------------------- count
 def _cmd_count(args) -> int:
     from gaugeopt.tools.checkpoint import GPT_TYPE, build_model, gpt_config, read_config
-    from gaugeopt.tools.counting import gauge_dimension, layer_shapes
+    from gaugeopt.flat.counting import gauge_dimension, layer_shapes
 
     target = Path(args.target)
     if target.suffix == ".json" and args.config is None:
@@ -174,10 +174,10 @@ def _cmd_count(args) -> int:
 
 # ---------------------------------------------------------------------- flat
 def _cmd_flat(args) -> int:
-    from gaugeopt.structure.invariance import randomize_parameters
+    from gaugeopt.trust.invariance import randomize_parameters
     from gaugeopt.tools.checkpoint import build_model, context_length, read_config
-    from gaugeopt.tools.counting import gauge_dimension
-    from gaugeopt.tools.flat import covering_tokens, flat_directions, preflight, suggested_sequences
+    from gaugeopt.flat.counting import gauge_dimension
+    from gaugeopt.flat.meter import covering_tokens, flat_directions, preflight, suggested_sequences
 
     if args.dtype != "float64":
         raise GaugeError(f"--dtype {args.dtype}: the meter resolves singular values down to 1e-15 only in float64")
@@ -228,10 +228,10 @@ def _attention_outputs(model, sites, run):
 
 
 def _cmd_verify(args) -> int:
-    from gaugeopt.structure import sectors as registry
-    from gaugeopt.structure.actions import ALL_INVALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change
+    from gaugeopt import sectors as registry
+    from gaugeopt.transforms import ALL_INVALID_KINDS, invalid_gauge_transform, random_gauge_transform, relative_change
     from gaugeopt.tools.checkpoint import forward_logits
-    from gaugeopt.structure.registry import find_attention
+    from gaugeopt.adapters.find import find_attention
 
     if args.trials < 1:
         raise GaugeError(f"--trials must be at least 1, got {args.trials}")
@@ -285,7 +285,7 @@ def _cmd_verify(args) -> int:
 
 # ---------------------------------------------------------------------- canonicalize
 def _cmd_canonicalize(args) -> int:
-    from gaugeopt.structure.actions import relative_change
+    from gaugeopt.transforms import relative_change
     from gaugeopt.tools.canonical import canonicalize, section_residual
     from gaugeopt.tools.checkpoint import forward_logits, greedy_decode
 
@@ -358,7 +358,7 @@ def _cmd_equivalent(args) -> int:
 
 # ---------------------------------------------------------------------- merge
 def _cmd_merge(args) -> int:
-    from gaugeopt.structure.actions import relative_change
+    from gaugeopt.transforms import relative_change
     from gaugeopt.tools.checkpoint import forward_logits
     from gaugeopt.tools.merging import average, merge
 

@@ -1,7 +1,7 @@
 """Are two checkpoints the same point of the quotient by the attention gauge group?
 
 The group ``G`` here is the head gauges (docs/gauge_group.md) together with the bias sectors
-(:mod:`gaugeopt.structure.bias`): the key-bias shift on non-rotary channels and the value-bias
+(:mod:`gaugeopt.records.bias_sector`): the key-bias shift on non-rotary channels and the value-bias
 trade against the output bias. Both are quotiented by moving the biases to their representative
 first (:func:`gaugeopt.tools.canonical.fold_bias_tensors`: ``b_K = 0`` on the non-rotary channels,
 ``b_V = 0`` folded into ``b_O``), which the head gauges keep; everything below reads those folded
@@ -92,10 +92,10 @@ import torch.nn as nn
 from gaugeopt.tools.canonical import effective_tensors, refuse_latent, refuse_layer_norm
 from gaugeopt.errors import GaugeError
 from gaugeopt.models.lrm import LRMLinear
-from gaugeopt.structure.rope import plane_index
-from gaugeopt.structure.site import AttentionSite
-from gaugeopt.structure.gate import trusted_sites
-from gaugeopt.structure.registry import find_attention
+from gaugeopt.records.rope import plane_index
+from gaugeopt.records.site import AttentionSite
+from gaugeopt.trust.gate import trusted_sites
+from gaugeopt.adapters.find import find_attention
 
 __all__ = [
     "SpectralFingerprint",
@@ -216,7 +216,7 @@ def match_heads(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-respecting optimal head matching of B to A.
 
-    Returns ``(kv_perm, q_perm)`` in :func:`gaugeopt.structure.actions.permute_heads` form: B's KV group
+    Returns ``(kv_perm, q_perm)`` in :func:`gaugeopt.transforms.permute_heads` form: B's KV group
     ``kv_perm[j]`` matches A's group ``j`` and B's query head ``q_perm[i]`` matches A's head
     ``i``. The cost defaults to the relative squared circuit distances (QK + OV). Under GQA
     the groups are matched on the optimal within-group assignment costs (exact optimum of

@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
+from gaugeopt.transforms import act_qk, act_vo, permute_heads
 from gaugeopt.tools.canonical import stack_outputs, stack_queries, canonicalize, effective_tensors, refuse_latent
 from gaugeopt.tools.equivalence import _aug, match_heads
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.site import AttentionSite
-from gaugeopt.structure.registry import find_attention
+from gaugeopt.records.site import AttentionSite
+from gaugeopt.adapters.find import find_attention
 
 __all__ = ["LayerAlignment", "MergeResult", "align", "average", "merge", "attention_distance"]
 

@@ -4,44 +4,22 @@ straddling shards, transposed Conv1D storage), compared with a single-process re
 
 import copy
 import gc
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import gaugeopt
 import zoo
+from distributed_helpers import WORLD, bits as _bits, init as _init, spawn as _spawn
 from gaugefix_helpers import add_drift
 from gaugeopt.fix import gauge_fix, qk_drift
 from gaugeopt.fix import vo_drift
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 
 pytestmark = pytest.mark.slow
-WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, port: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-
-
-def _spawn(fn, *args) -> None:
-    mp.spawn(fn, args=(_free_port(), *args), nprocs=WORLD, join=True)
-
-
 def _model(name: str, lrm: bool, dtype=torch.float64):
     """Zoo models, plus an odd-width GPT (d_k = 5, 15-row multipliers, 45-row fused c_attn) whose
     heads straddle the FSDP shards (8 + 7 and 23 + 22 rows)."""
@@ -59,10 +37,6 @@ def _model(name: str, lrm: bool, dtype=torch.float64):
 def _loss(name, model, idx, tgt):
     logits = zoo.forward_fn("hf_gpt2" if name.startswith("hf_gpt2") else "gpt")(model, idx)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-
-
-def _bits(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors]).view(torch.int64)
 
 
 # ---------------------------------------------------------------------- DDP

@@ -16,8 +16,8 @@ import zoo
 from gaugeopt import GaugeError
 from gaugeopt.fix.plan import plan_pairs
 from gaugeopt.fix.triton_backend import unsupported_reason
-from gaugeopt.structure.actions import scale_qk_gains
-from gaugeopt.structure.rope import plane_index
+from gaugeopt.transforms import scale_qk_gains
+from gaugeopt.records.rope import plane_index
 from gaugefix_helpers import load_params, snapshot_params
 from qk_norm_helpers import changes, exact
 

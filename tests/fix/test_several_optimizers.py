@@ -16,7 +16,7 @@ from gaugeopt.integrations.optim import GaugeOptimizer
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.projection.projector import GaugeProjector
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 from transport_helpers import matrices_and_rest
 
 VOCAB, T = 32, 12

@@ -13,7 +13,7 @@ import torch
 import gaugeopt
 from gaugeopt import GaugeError
 from gaugeopt.callbacks import GaugeFix, GaugeMonitor
-from gaugeopt.structure import registry
+from gaugeopt.adapters import find as registry
 from lightning_helpers import T, VOCAB, token_loader, trainer
 from model_libraries import nanogpt, quiet, require
 from user_models import SPEC, MyAttention, MyLM

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gaugeopt
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 
 MODEL_PY = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "nanogpt" / "model.py"
 VOCAB, T = 64, 16

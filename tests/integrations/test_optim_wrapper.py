@@ -16,7 +16,7 @@ from gaugeopt import GaugeError
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.integrations.optim import GaugeOptimizer
 from gaugeopt.projection.projector import GaugeProjector
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 
 
 VOCAB, T = 32, 12
@@ -368,7 +368,7 @@ def test_fix_only_leaves_everything_but_the_qk_multipliers_bit_identical():
     opt = GaugeOptimizer(torch.optim.AdamW(gaugeopt.lrm_param_groups(model, "B", lr=1e-2)), model,
                          project=None, fix_every=3)
     ref_opt = torch.optim.AdamW(gaugeopt.lrm_param_groups(ref, "B", lr=1e-2))
-    qk = gaugeopt.structure.lrm.qk_multiplier_names(model)
+    qk = gaugeopt.adapters.apply_lrm.qk_multiplier_names(model)
     g = torch.Generator().manual_seed(3)
     for step in range(1, 31):
         opt.zero_grad()

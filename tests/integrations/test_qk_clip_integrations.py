@@ -14,7 +14,7 @@ from gaugeopt import GaugeError
 from gaugeopt.integrations.clip import ClipSteps
 from gaugeopt.integrations.steps import FixSteps
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.structure.logits import LogitTracker
+from gaugeopt.clip.logits import LogitTracker
 
 TAU = 0.08
 

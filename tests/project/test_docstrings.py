@@ -28,7 +28,8 @@ MODULES = _modules()
 
 
 def test_every_package_is_walked():
-    for pkg in ("structure", "fix", "projection", "tools", "integrations", "kernels", "models"):
+    for pkg in ("records", "adapters", "sectors", "trust", "fix", "projection", "clip", "flat", "tools",
+                "integrations", "kernels", "models"):
         assert any(m.startswith(f"gaugeopt.{pkg}.") for m in MODULES), pkg
 
 

@@ -21,9 +21,9 @@ import torch
 import gaugeopt
 import errata_helpers as E
 import zoo.tiny as tiny
-from gaugeopt.structure.stream import find_stream
-from gaugeopt.structure.stream_sectors import stream_families
-from gaugeopt.tools.flat import covering_tokens, flat_directions
+from gaugeopt.flat.stream import find_stream
+from gaugeopt.flat.stream_sectors import stream_families
+from gaugeopt.flat.meter import covering_tokens, flat_directions
 
 logits = tiny.logits
 
@@ -35,7 +35,7 @@ def _rotation_family(model):
 def _gpt(generic: bool = True, **kw):
     """A float64 gaugeopt GPT: generic weights (``randomize_parameters``), or its initialisation."""
     from gaugeopt.models import GPT, GPTConfig
-    from gaugeopt.structure.invariance import randomize_parameters
+    from gaugeopt.trust.invariance import randomize_parameters
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**kw)).double().eval()
@@ -387,7 +387,7 @@ def test_8_paper000_a9_relu_has_a_continuous_mlp_symmetry():
     """000:312 (A9) lists ReLU among the activations that leave only S_dff. ReLU is positively homogeneous:
     d_ff rescalings per layer, exact, and counted — the meter's nullity equals the complete count with them."""
     import transformers
-    from gaugeopt.structure.invariance import randomize_parameters
+    from gaugeopt.trust.invariance import randomize_parameters
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=4, n_inner=8, vocab_size=7, n_positions=4,

@@ -1,4 +1,4 @@
-"""The package's layers import downwards only: structure → math → backends → integrations, never back.
+"""The package's layers import downwards only: records → the group, finding, trust → the math → tools → integrations.
 
 Every ``import`` statement of every module (module level and inside functions) is read with
 ``ast``; a module may import from its own layer's package or a layer below it:
@@ -10,10 +10,16 @@ layer                              may import (besides torch, the standard libra
 ``distributed``
 ``kernels`` (Triton backends)      ``errors`` only: the kernels know tensors and tables, not models
 ``models``                         ``errors``
-``structure``                      the above, ``models`` (built-in adapters register its classes)
+``records`` (what a layer is)      the above
+``sectors`` (the group),           the above and ``records``; neither imports the other
+``adapters`` (finding records)
+``trust`` (the gate)               the above
+``transforms``                     the above: whole-model gauge transformations, through the gate
 ``fix``, ``projection`` (the       the above and ``kernels``; neither imports the other
 math)
-``tools``                          the above
+``clip``                           the above and ``fix`` (QK-Clip moves optimizer state as the fix does)
+``flat`` (the meter)               the layers up to ``transforms``
+``tools``                          every layer above
 ``integrations``, ``callbacks``,   anything
 ``metrics``, the top level
 =================================  =============================================================
@@ -39,10 +45,17 @@ ALLOWED = {
     "distributed": {"errors"},
     "kernels": {"errors"},
     "models": {"errors"},
-    "structure": LEAVES | {"models"},
-    "fix": LEAVES | {"models", "structure", "kernels"},
-    "projection": LEAVES | {"models", "structure", "kernels"},
-    "tools": LEAVES | {"models", "structure", "kernels", "fix", "projection"},
+    "records": LEAVES | {"models"},
+    "sectors": LEAVES | {"models", "records"},
+    "adapters": LEAVES | {"models", "records"},
+    "trust": LEAVES | {"models", "records", "sectors", "adapters"},
+    "transforms": LEAVES | {"models", "records", "sectors", "adapters", "trust"},
+    "fix": LEAVES | {"models", "records", "sectors", "adapters", "trust", "transforms", "kernels"},
+    "projection": LEAVES | {"models", "records", "sectors", "adapters", "trust", "transforms", "kernels"},
+    "clip": LEAVES | {"models", "records", "sectors", "adapters", "trust", "transforms", "kernels", "fix"},
+    "flat": LEAVES | {"models", "records", "sectors", "adapters", "trust", "transforms"},
+    "tools": LEAVES | {"models", "records", "sectors", "adapters", "trust", "transforms", "kernels", "fix", "projection",
+                       "clip", "flat"},
 }
 
 
@@ -91,7 +104,8 @@ def test_every_layer_is_known():
     packages = {_package_of(p) for p in _modules()}
     known = set(ALLOWED) | {"integrations", "callbacks", "metrics", "__init__", "__main__"}
     assert packages <= known, packages - known
-    assert {"structure", "fix", "projection", "tools", "kernels", "integrations"} <= packages
+    assert {"records", "sectors", "adapters", "trust", "fix", "projection", "clip", "flat", "tools", "kernels",
+            "integrations"} <= packages
 
 
 def _violations(root: pathlib.Path) -> list[str]:
@@ -201,7 +215,7 @@ def test_the_checker_sees_violations(tmp_path):
         "from ..projection import sylvester\n"
         "def f():\n    from gaugeopt.integrations.optim import GaugeOptimizer\n"
     )
-    (pkg / "kernels" / "bad.py").write_text("import gaugeopt.structure.site\n")
+    (pkg / "kernels" / "bad.py").write_text("import gaugeopt.records.site\n")
     found = _violations(pkg)
     assert len(found) == 3 and any("imports gaugeopt.projection" in v for v in found), found
     assert any("gaugeopt.integrations" in v for v in found) and any("(kernels)" in v for v in found)

@@ -12,7 +12,7 @@ import zoo
 from gaugeopt import GaugeError
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.projection.diagnostics import fisher_rao_split
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 from gaugeopt.tools.equivalence import compare, spectral_fingerprint
 
 

@@ -16,9 +16,9 @@ from gaugeopt import GaugeError
 from gaugeopt.projection.diagnostics import fisher_rao_split, holonomy, vertical_fraction, vertical_report
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.projection.projector import GaugeProjector
-from gaugeopt.structure.rope import RopeSpec
-from gaugeopt.structure.site import Projection
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.records.rope import RopeSpec
+from gaugeopt.records.site import ProjectionRefs
+from gaugeopt.trust.invariance import randomize_parameters
 
 
 def _invariant_grad(case) -> dict[str, torch.Tensor]:
@@ -56,12 +56,12 @@ def _swap_rope(site):
 
 
 def _drop_biases(site):
-    strip = lambda p: Projection(p.weight, None, p.row_mult, p.col_mult)  # noqa: E731
+    strip = lambda p: ProjectionRefs(p.weight, None, p.row_mult, p.col_mult)  # noqa: E731
     return dataclasses.replace(site, q=strip(site.q), k=strip(site.k), v=strip(site.v))
 
 
 def _drop_multipliers(site):
-    strip = lambda p: Projection(p.weight, p.bias, None, None)  # noqa: E731
+    strip = lambda p: ProjectionRefs(p.weight, p.bias, None, None)  # noqa: E731
     return dataclasses.replace(site, q=strip(site.q), k=strip(site.k), v=strip(site.v), o=strip(site.o))
 
 
@@ -156,7 +156,7 @@ def test_fisher_rao_split_with_identity_metric_is_the_euclidean_projection():
 
 
 def test_fisher_rao_split_with_an_spd_metric_matches_weighted_least_squares():
-    """Against generators built independently (complex step through gaugeopt.structure.actions)."""
+    """Against generators built independently (complex step through gaugeopt.transforms)."""
     model = _tiny(rope="interleaved", n_kv_head=1, n_head=2)
     names = [n for n, _ in model.named_parameters()]
     shapes = {n: p.shape for n, p in model.named_parameters()}

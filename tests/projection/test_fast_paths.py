@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import gaugeopt
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 
 D, HEADS = 16, 4
 

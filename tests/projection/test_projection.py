@@ -1,6 +1,6 @@
 """Gauge-orthogonal projection (gaugeopt.projection.projector) against an independent least-squares reference.
 
-The reference generators are complex-step derivatives of gaugeopt.structure.actions' finite actions and
+The reference generators are complex-step derivatives of gaugeopt.transforms' finite actions and
 the reference projection is QR with column pivoting (tests/support/projection_helpers.py); nothing
 in it shares code with the projector's generator formulas or solvers.
 """
@@ -17,7 +17,7 @@ import zoo
 from gaugeopt import GaugeError
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.projection.projector import SECTORS, GaugeProjector, horizontal
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 
 
 LRM_SECTORS = ("lrm_qk", "lrm_vo", "lrm_internal")

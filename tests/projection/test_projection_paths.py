@@ -23,7 +23,7 @@ from gaugeopt import GaugeError
 from gaugeopt.models import GPT, GPTConfig
 from gaugeopt.projection import dense
 from gaugeopt.projection.projector import GaugeProjector
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 
 SECTOR_SETS = [("qk",), ("vo",), ("qk", "vo")]
 LRM_SETS = [("lrm_qk",), ("lrm_vo",), ("lrm_internal",), ("qk", "vo", "lrm_qk", "lrm_vo")]
@@ -215,9 +215,9 @@ def test_approx_warm_start_is_safe_and_helps():
 
 
 def test_mode_names_are_checked_in_one_place():
-    from gaugeopt.projection.projector import MODES, check_mode
+    from gaugeopt.projection.projector import PROJECTION_MODES, check_mode
 
-    assert MODES == ("exact", "approx", "paper000")
+    assert PROJECTION_MODES == ("exact", "approx", "paper000")
     model = zoo.build("gpt").model
     for bad in ("fast", "Approx", "algorithm2"):
         with pytest.raises(GaugeError, match="mode"):

@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 
 import gaugeopt
-from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
-from gaugeopt.structure.stream import find_stream
+from gaugeopt.transforms import act_qk, act_vo, permute_heads
+from gaugeopt.flat.stream import find_stream
 
 
 def algorithm1_qr(site) -> None:

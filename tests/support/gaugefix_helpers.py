@@ -12,7 +12,7 @@ import math
 import torch
 
 import gaugeopt
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.site import AttentionSite
 
 
 def side_rows(site: AttentionSite, proj: str, mode: str) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import gaugeopt
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 from model_libraries import quiet, require
 from zoo import Case
 from zoo.families import attention_outputs
@@ -199,7 +199,7 @@ def flat_model(name: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
     The vocabulary (23) is wide enough that the first layer, whose inputs depend on the token alone,
     sees more distinct inputs than its latent down-projections have parameters per latent direction;
     with 11 tokens a biased down-projection has flat directions that more data would not remove."""
-    from gaugeopt.tools.flat import covering_tokens
+    from gaugeopt.flat.meter import covering_tokens
 
     transformers = require("transformers")
     vocab = 23

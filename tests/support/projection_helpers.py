@@ -1,6 +1,6 @@
 """Reference constructions for the projection tests, independent of gaugeopt's projector.
 
-Generators are the derivatives of the *finite* gauge actions of :mod:`gaugeopt.structure.actions`
+Generators are the derivatives of the *finite* gauge actions of :mod:`gaugeopt.transforms`
 (``act_qk``, ``act_vo``, ``act_qk_rope``, ``scale_qk_multipliers``, ``scale_vo_multipliers``,
 ``rescale_lrm_internal``, ``scale_qk_gains``, ``shift_key_bias``, ``trade_value_bias``) at the identity, taken by the complex-step method: on a complex
 copy of the model, apply the action with group element ``I + iε·E`` and read
@@ -23,13 +23,13 @@ import torch
 import torch.nn as nn
 
 import gaugeopt
-from gaugeopt.structure.actions import (
+from gaugeopt.transforms import (
     act_qk, act_vo, rescale_lrm_internal, scale_qk_gains, scale_qk_multipliers, scale_vo_multipliers, shift_key_bias,
     trade_value_bias,
 )
-from gaugeopt.structure.latent import act_qk_rope
-from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.rope import commutant_basis, orthogonal_commutant_basis, plane_index
+from gaugeopt.records.latent import act_qk_rope
+from gaugeopt.adapters.apply_lrm import LRMLinear
+from gaugeopt.records.rope import commutant_basis, orthogonal_commutant_basis, plane_index
 
 EPS = 1e-30
 CDT = torch.complex128

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 
 import gaugeopt
 from gaugeopt.models.gpt import Rotary
-from gaugeopt.structure import register_adapter, site_from_linears
-from gaugeopt.structure.rope import RopeSpec
-from gaugeopt.structure.site import QKNorm, TensorRef
+from gaugeopt import register_adapter, site_from_linears
+from gaugeopt.records.rope import RopeSpec
+from gaugeopt.records.site import QKNorm, TensorRef
 
 
 @contextlib.contextmanager

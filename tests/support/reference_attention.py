@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.records.site import AttentionSite
 
 
 def rotate(x: torch.Tensor, planes, base: float, rotary_dim: int, angle_dtype=torch.float64, inv_freq=None) -> torch.Tensor:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from gaugeopt.structure.group_actions import act_qk
-from gaugeopt.structure.sectors import Family, Projection, Sector, register
+from gaugeopt.sectors.group_actions import act_qk
+from gaugeopt.sectors import Family, ProjectionRule, Sector, register
 
 NAME = "qk_scalar"
 
@@ -109,7 +109,7 @@ def sector(sign: int = -1, name: str = NAME) -> Sector:
     return Sector(
         name=name, family="toy", summary="one scalar per KV group: a·W_Q against W_K/a", lacking=_lacking,
         valid=valid, control=control, families=families,
-        projection=Projection(lambda n, units, options: ScalarSolver(n, units, options),
+        projection=ProjectionRule(lambda n, units, options: ScalarSolver(n, units, options),
                               frozenset({"q.weight", "q.bias", "k.weight", "k.bias"})),
         count=lambda shape: {} if shape.qk_norm is not None or shape.latent is not None else {name: shape.h_kv},
     )

@@ -10,7 +10,7 @@ import torch
 import gaugeopt
 import zoo
 from gaugeopt.tools.canonical import canonicalize, section_residual
-from gaugeopt.structure.rope import commutant_basis
+from gaugeopt.records.rope import commutant_basis
 from model_tools_helpers import (
     CANON_CASES,
     CANON_IDS,

@@ -117,10 +117,10 @@ def test_verify_prints_paper_tables(ckpts, capsys):
     assert rc == 0 and err == ""
     assert "Tables 5-6" in out and "Table 7" in out
     rows = _rows(out)
-    actions = gaugeopt.structure.actions
+    actions = gaugeopt.transforms
     plain = [k for k in actions.INVALID_KINDS if k not in actions.QK_NORM_INVALID_KINDS + actions.SINK_INVALID_KINDS]
     assert set(plain) <= set(rows)  # every control of plain attention applies (RoPE, two KV groups)
-    assert not set(gaugeopt.structure.actions.QK_NORM_INVALID_KINDS) & set(rows)
+    assert not set(gaugeopt.transforms.QK_NORM_INVALID_KINDS) & set(rows)
     assert float(rows["logits"][-1]) <= 1e-12
     assert min(float(rows[k][-1]) for k in plain) > 1e-3
     assert "verdict: PASS" in out

@@ -9,7 +9,7 @@ import torch
 
 import gaugeopt
 import zoo
-from gaugeopt.structure.actions import INVALID_KINDS, QK_NORM_INVALID_KINDS, SINK_INVALID_KINDS, permute_heads
+from gaugeopt.transforms import INVALID_KINDS, QK_NORM_INVALID_KINDS, SINK_INVALID_KINDS, permute_heads
 from gaugeopt.tools.equivalence import compare, equivalent, spectral_fingerprint, match_heads
 from model_tools_helpers import (
     CORE_CASES,

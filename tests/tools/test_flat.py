@@ -16,7 +16,7 @@ import torch
 import gaugeopt
 import zoo.tiny as tiny
 from gaugeopt import GaugeError
-from gaugeopt.tools.flat import covering_tokens, flat_directions
+from gaugeopt.flat.meter import covering_tokens, flat_directions
 
 # the measured nullity of each tiny model (tiny.MODELS, seed 0): a change here is a change in
 # the meter, the count or the model
@@ -153,7 +153,7 @@ def test_a_float32_step_is_reported_not_hidden():
     assert rep.nullity == NULLITY["hf_llama"] - 28
     strict = flat_directions(model, x, progress=False, float32_tol=1e-12)  # control: the label follows the measurement
     assert not [r for r in strict.near_flat if r.float32] and "EXPECTED EXACT BUT IS NOT" in strict.table()
-    from gaugeopt.structure.stream import find_stream
+    from gaugeopt.flat.stream import find_stream
 
     with tiny.float64_rmsnorm():  # a replaced forward is not reported
         assert find_stream(model).float32_steps == ""
@@ -217,7 +217,7 @@ def test_memory_is_refused_with_what_it_needs_and_what_to_do(monkeypatch):
 
 
 def test_available_memory_reads_meminfo():
-    from gaugeopt.tools.flat_cost import available_memory
+    from gaugeopt.flat.cost import available_memory
 
     have = available_memory()
     with open("/proc/meminfo") as fh:
@@ -238,11 +238,11 @@ def test_a_larger_null_space_than_expected_is_checked_again(monkeypatch):
         seen.append((need.block, held))
         return real(need, cap, held)
 
-    monkeypatch.setattr("gaugeopt.tools.flat.check_memory", spy)
+    monkeypatch.setattr("gaugeopt.flat.meter.check_memory", spy)
     rep = flat_directions(model, x[:8], progress=False, attribute=False)  # too little data: nullity inflated
     n = rep.n_params
     assert len(seen) == 2 and seen[1][0] == min(n, rep.inertia_count + 48) > seen[0][0] and seen[1][1] > 0
-    monkeypatch.setattr("gaugeopt.tools.flat.check_memory",
+    monkeypatch.setattr("gaugeopt.flat.meter.check_memory",
                         lambda need, cap=None, held=0: real(need, need.peak - 1 if held else None, held))
     with pytest.raises(GaugeError, match="needs about"):
         flat_directions(model, x[:8], progress=False, attribute=False)
@@ -251,7 +251,7 @@ def test_a_larger_null_space_than_expected_is_checked_again(monkeypatch):
 def test_progress_is_quiet_for_short_runs_and_talks_during_long_steps(capsys):
     """Default (progress=None): nothing on a run under 10 s; once a run passes the threshold, stage lines —
     and a heartbeat repeats the stage during a long single step."""
-    from gaugeopt.tools.flat_cost import Progress
+    from gaugeopt.flat.cost import Progress
 
     model, x = tiny.build("gpt_nobias")
     flat_directions(model, x)
@@ -311,7 +311,7 @@ def _measured_run(*config):
 
 
 def _assert_truthful(row):
-    from gaugeopt.tools.flat_cost import MEMORY_FACTOR
+    from gaugeopt.flat.cost import MEMORY_FACTOR
 
     print(f"\n{row['config']}: n {row['n']:,}, rows {row['rows']:,}: measured {row['measured'] / 2**20:.0f} MiB, estimate "
           f"{row['estimate'] / 2**20:.0f} MiB before the run, {row['estimate_used_block'] / 2**20:.0f} MiB with the block used")

@@ -11,9 +11,9 @@ import torch
 
 import gaugeopt
 import zoo
-from gaugeopt.structure.actions import act_qk, act_vo, permute_heads
+from gaugeopt.transforms import act_qk, act_vo, permute_heads
 from gaugeopt.tools.merging import align, attention_distance, average, merge
-from gaugeopt.structure.rope import commutant_basis
+from gaugeopt.records.rope import commutant_basis
 from model_tools_helpers import CORE_CASES, CORE_IDS, attention_change, gauge_kinds, perturb
 
 

@@ -196,7 +196,7 @@ def test_count_equals_jacobian_nullity_of_one_layer():
     (per-head RMSNorm, shared gains, split-half RoPE, GQA; no biases, so no V/O bias trade) and timm's
     ``Attention(qk_norm=True)`` (LayerNorm with bias; the output bias left out for the same reason)."""
     from gaugeopt.models import GPT, GPTConfig
-    from gaugeopt.structure.invariance import randomize_parameters
+    from gaugeopt.trust.invariance import randomize_parameters
 
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(0)

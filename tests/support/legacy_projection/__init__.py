@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import gaugeopt
-from gaugeopt.structure.lrm import LRMLinear
+from gaugeopt.adapters.apply_lrm import LRMLinear
 from legacy_projection.dense import DenseSector
 from legacy_projection.multipliers import DiagonalSector, InternalSector
 from legacy_projection.sylvester import default_rtol

@@ -65,8 +65,8 @@ from dataclasses import dataclass, field
 import torch
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.structure.pair import PairSide
-from gaugeopt.structure.site import AttentionSite, TensorRef
+from gaugeopt.records.pair import PairSide
+from gaugeopt.records.site import AttentionSite, TensorRef
 from legacy_projection import sylvester
 from legacy_projection.sylvester import SylvesterInverse, psd_solve, twisted_cg
 

@@ -5,7 +5,7 @@ gauges that move the *multipliers* (paper 002). Their generators, in the coordin
 optimizer sees (``W̄, b̄, r, c``), and the closed forms used to project them out:
 
 ``lrm_qk`` — ``r_Q[i] ← r_Q[i] ⊙ δ``, ``r_K[j] ← r_K[j] ⊘ δ`` per KV group ``j``, one ``δ`` per
-    channel, or per RoPE plane (both coordinates share it; :func:`gaugeopt.structure.rope.plane_index`).
+    channel, or per RoPE plane (both coordinates share it; :func:`gaugeopt.records.rope.plane_index`).
     Generator of channel set ``π``: ``δr_Q[i, c] = r_Q[i, c]``, ``δr_K[j, c] = −r_K[j, c]``
     (``c ∈ π``, ``i`` in group ``j``). Different ``(j, π)`` touch disjoint entries, so the
     projection is one ratio each (docs/projection.md):
@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gaugeopt.structure.lrm import LRMLinear
-from gaugeopt.structure.rope import plane_index
-from gaugeopt.structure.site import AttentionSite
+from gaugeopt.adapters.apply_lrm import LRMLinear
+from gaugeopt.records.rope import plane_index
+from gaugeopt.records.site import AttentionSite
 from legacy_projection.sylvester import _pinv_values
 
 __all__ = ["DiagonalSector", "InternalSector"]
@@ -63,7 +63,7 @@ def _safe_inv(den: torch.Tensor, rtol: float, scale: torch.Tensor | None = None)
 
 class DiagonalSector:
     """``lrm_qk`` or ``lrm_vo`` over the sites that carry the multipliers: the ``mult`` of each
-    side of their :class:`~gaugeopt.structure.pair.GaugePair`."""
+    side of their :class:`~gaugeopt.records.pair.GaugePair`."""
 
     def __init__(self, kind: str, sites: list[AttentionSite]) -> None:
         self.name = kind
@@ -165,7 +165,7 @@ class InternalSector:
         return [name for name, _ in self.modules]
 
     def dimension(self) -> int:
-        """Number of generators: :attr:`~gaugeopt.structure.lrm.LRMLinear.internal_gauge_dim` per layer."""
+        """Number of generators: :attr:`~gaugeopt.adapters.apply_lrm.LRMLinear.internal_gauge_dim` per layer."""
         return sum(m.internal_gauge_dim for _, m in self.modules)
 
     def prepare(self, ctx) -> list[_Block]:

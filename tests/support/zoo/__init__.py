@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import gaugeopt
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 
 VOCAB, T, B = 61, 12, 2
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import gaugeopt
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 from model_libraries import nanogpt, quiet, require
 from zoo import Case
 
@@ -177,7 +177,7 @@ FAMILY = {
                             decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=48,
                             decoder_ffn_dim=48, max_position_embeddings=64, dropout=0.0, pad_token_id=1, bos_token_id=0,
                             eos_token_id=2, decoder_start_token_id=2, forward=_encdec), "hf_bart", 4, "none"),
-    # 2025-26 families with their own adapters (gaugeopt.structure.adapters.hf_recent)
+    # 2025-26 families with their own adapters (gaugeopt.adapters.hf_recent)
     "hf_glm4": (_hf_llama_like("Glm4ForCausalLM", "Glm4Config", head_dim=8, attention_bias=True, partial_rotary_factor=0.5),
                 "hf_glm4", 2, "interleaved:4"),
     "hf_smollm3_nope": (_hf_llama_like("SmolLM3ForCausalLM", "SmolLM3Config", attention_bias=True, no_rope_layers=[1, 0]),
@@ -202,7 +202,7 @@ FAMILY = {
                                             num_local_experts=2, num_experts_per_tok=1, no_rope_layers=[1, 0],
                                             use_qk_norm=False, attention_chunk_size=4, interleave_moe_layer_step=1),
                              "hf_llama4", 2, "interleaved:8"),
-    # renamed copies of verified classes, recognised by equivalence (gaugeopt.structure.recognise): certified first
+    # renamed copies of verified classes, recognised by equivalence (gaugeopt.adapters.recognise): certified first
     "hf_granite": (_hf_llama_like("GraniteForCausalLM", "GraniteConfig", attention_bias=True, attention_multiplier=0.3,
                                   embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
                    "hf_llama", 2, "split_half:8"),
@@ -238,7 +238,7 @@ QK_NORM_SUPPORTED = ("hf_gemma3", "hf_olmo2", "hf_qwen3", "timm_qk_norm", "hf_ph
                      "torchtitan_qk_norm", "hf_qwen3_moe")
 QK_NORM_LRM = ("hf_phi_qk_layernorm", "hf_cohere_qk_norm", "hf_qwen3_moe")
 # Families that keep a float32 step of their own in a float64 model (named in their records), and the sectors
-# that pass through it: those are exact to float32 rounding only (tests/structure/test_families.py)
+# that pass through it: those are exact to float32 rounding only (tests/adapters/test_families.py)
 _THROUGH_QK = ("qk", "qk_gain", "lrm_qk", "perm", "key_bias", "value_bias")  # RoPE, a Q/K norm: the certificate's list
 FLOAT32_STEP = {**{n: _THROUGH_QK for n in ("hf_cohere", "hf_modernbert", "hf_llama4", "hf_llama4_no_qk_norm",
                                             "hf_cohere_qk_norm", "hf_qwen3_moe", "hf_qwen3", "hf_olmo2", "hf_gemma3",
@@ -311,7 +311,7 @@ def float64_islands_removed():
 
 def attention_outputs(case: Case, model: nn.Module, sites=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The model output and every attention module's output (first tensor) in one forward."""
-    from gaugeopt.structure.certificate import _first_tensor
+    from gaugeopt.trust.proof import _first_tensor
 
     sites = gaugeopt.find_attention(model) if sites is None else sites
     outs: list[torch.Tensor] = []

@@ -3,8 +3,8 @@
 Each model is the architecture of a zoo family (:mod:`zoo`) at the smallest size that keeps it
 generic: width 4–8, two layers, a vocabulary at least as wide as the model (a head with fewer rows
 than ``d_model`` has a kernel, and every direction into it is flat), 4 positions. Parameters are
-generic (``randomize_parameters``), inputs are :func:`gaugeopt.tools.flat.covering_tokens` with
-:func:`gaugeopt.tools.flat.suggested_sequences` rows, so no coordinate is unused.
+generic (``randomize_parameters``), inputs are :func:`gaugeopt.flat.meter.covering_tokens` with
+:func:`gaugeopt.flat.meter.suggested_sequences` rows, so no coordinate is unused.
 
 **Hugging Face Llama.** ``LlamaRMSNorm.forward`` casts the hidden states to float32 and back, so a
 float64 model is only float32-accurate after every norm and the null space is buried at ~1e-7.
@@ -21,9 +21,9 @@ import torch.nn as nn
 
 import gaugeopt
 from gaugeopt.models import GPT, GPTConfig
-from gaugeopt.structure.invariance import randomize_parameters
+from gaugeopt.trust.invariance import randomize_parameters
 from gaugeopt.tools.checkpoint import context_length
-from gaugeopt.tools.flat import covering_tokens, suggested_sequences
+from gaugeopt.flat.meter import covering_tokens, suggested_sequences
 
 LENGTH = 4
 
