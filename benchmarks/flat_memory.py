@@ -61,7 +61,7 @@ def _build(L: int, H: int, D: int, V: int, length: int, n_seq: int):
     import transformers
 
     from gaugeopt.trust.invariance import randomize_parameters
-    from gaugeopt.tools import flat as F
+    from gaugeopt.flat import meter as F
 
     cfg = transformers.GPT2Config(n_layer=L, n_head=H, n_embd=D, vocab_size=V, n_positions=length, bos_token_id=0,
                                   eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -72,7 +72,7 @@ def _build(L: int, H: int, D: int, V: int, length: int, n_seq: int):
 
 def before_block(L: int, H: int, D: int, V: int, length: int, n_seq: int) -> int:
     """The null-space block the meter assumes before the run (``preflight``; no run)."""
-    from gaugeopt.tools import flat as F
+    from gaugeopt.flat import meter as F
 
     model, x = _build(L, H, D, V, length, n_seq)
     return F.preflight(model, x, max_params=10**9, max_memory=float("inf"))[0].block
@@ -82,7 +82,7 @@ def child(L: int, H: int, D: int, V: int, length: int, n_seq: int) -> dict:
     """One run in this process: the meter's peak above the memory held before the call."""
     import torch
 
-    from gaugeopt.tools import flat as F
+    from gaugeopt.flat import meter as F
 
     torch.set_num_threads(1)
     model, x = _build(L, H, D, V, length, n_seq)

@@ -195,7 +195,7 @@ def test_nullity_equals_complete_count_qk_norm_families(name):
 def test_memory_is_refused_with_what_it_needs_and_what_to_do(monkeypatch):
     """A run whose estimate exceeds the memory available (MemAvailable, or max_memory) is refused before the
     Jacobian is formed, with the amounts and the ways out; the estimate is the one the docs state."""
-    from gaugeopt.tools import flat, flat_cost
+    from gaugeopt.flat import cost as flat_cost, meter as flat
 
     model, x = tiny.build("gpt_nobias")
     n = sum(p.numel() for p in model.parameters())
@@ -228,7 +228,7 @@ def test_available_memory_reads_meminfo():
 def test_a_larger_null_space_than_expected_is_checked_again(monkeypatch):
     """Before the run the block is the complete count; with too little data the spectrum finds a larger null
     space and the memory is checked again for it (here refused: no room for anything more)."""
-    from gaugeopt.tools import flat_cost
+    from gaugeopt.flat import cost as flat_cost
 
     model, x = tiny.build("gpt")
     seen = []
