@@ -52,6 +52,26 @@ from gaugeopt.transforms import relative_change
 from gaugeopt.flat.symmetries import Family, symmetry_families
 from gaugeopt.flat.report import FlatReport, SectorRow, r_factor
 
+
+def _left_singular(M: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, σ)`` of the thin SVD of ``M`` (columns of ``U`` by decreasing ``σ``). LAPACK's divide-and-conquer SVD
+    can fail to converge on a matrix with many repeated (near-zero) singular values — a residual of a subspace
+    mostly explained is one — and then the symmetric eigendecomposition of ``MᵀM`` (which always converges) gives
+    the same left singular vectors for the singular values well above ``sqrt(eps)·σ_max``, the ones read here."""
+    try:
+        U, sv, _ = torch.linalg.svd(M, full_matrices=False)
+        return U, sv
+    except torch.linalg.LinAlgError:
+        w, V = torch.linalg.eigh(M.T @ M)
+        w, V = w.flip(0).clamp_min(0), V.flip(1)
+        sv = w.sqrt()
+        return (M @ V) / sv.clamp_min(torch.finfo(M.dtype).tiny), sv
+
+
+def _leading_left_singular_vectors(M: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` leading left singular vectors of ``M`` (:func:`_left_singular`)."""
+    return _left_singular(M)[0][:, :k]
+
 __all__ = ["attribute", "generator_matrix", "COMPLEX_STEP", "FLOAT32_TOL"]
 
 COMPLEX_STEP = 1e-20
@@ -211,7 +231,7 @@ def attribute(
             continue
         R = Q - Qcum @ (Qcum.T @ Q)
         R = R - Qcum @ (Qcum.T @ R)
-        U, sv, _ = torch.linalg.svd(R, full_matrices=False)
+        U, sv = _left_singular(R)
         Qcum = torch.cat([Qcum, U[:, sv > 1e-8]], 1)
         cos = torch.linalg.svdvals(Qcum.T @ N)
         row.cum_dim, row.cum_in_null = Qcum.shape[1], int((cos >= 1 - 0.5 * angle_tol**2).sum())
@@ -222,8 +242,7 @@ def attribute(
     report.explained = Qcum.shape[1]
     if report.remainder:
         Rn = N - Qcum @ (Qcum.T @ N)
-        U, _, _ = torch.linalg.svd(Rn, full_matrices=False)
-        Ur = U[:, : report.remainder]
+        Ur = _leading_left_singular_vectors(Rn, report.remainder)
         loads, off = {}, 0
         for nm, sz in zip(report.names, report.sizes):
             loads[nm] = float((Ur[off:off + sz] ** 2).sum()) / report.remainder

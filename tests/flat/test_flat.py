@@ -331,3 +331,24 @@ def test_memory_estimate_on_every_calibration_point(config):
     """Every calibration point of benchmarks/flat_memory.py but the tiny one, where the fixed terms dominate
     (minutes each)."""
     _assert_truthful(_measured_run(*config))
+
+
+def test_left_singular_vectors_survive_an_svd_that_does_not_converge(monkeypatch):
+    """LAPACK's SVD can fail on a residual with many repeated near-zero singular values (the remainder of a null
+    space mostly explained); the eigendecomposition fallback gives the same leading singular pairs."""
+    from gaugeopt.flat import attribution
+
+    g = torch.Generator().manual_seed(0)
+    M = torch.randn(60, 4, dtype=torch.float64, generator=g) @ torch.randn(4, 15, dtype=torch.float64, generator=g)
+    U, s = attribution._left_singular(M)
+
+    def fails(*args, **kwargs):
+        raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "svd", fails)
+    U2, s2 = attribution._left_singular(M)
+    assert torch.allclose(s2[:4], s[:4], rtol=1e-12, atol=0)
+    overlap = U[:, :4].T @ U2[:, :4]  # the same subspace, column by column up to sign
+    assert torch.allclose(overlap.abs(), torch.eye(4, dtype=torch.float64), atol=1e-12)
+    assert s2[4:].max() < 1e-6 * s2[0]  # the rank is read off as before
+    assert attribution._leading_left_singular_vectors(M, 2).shape == (60, 2)
