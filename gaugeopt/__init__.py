@@ -29,6 +29,8 @@ from gaugeopt.tools.equivalence import equivalent, spectral_fingerprint
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix import FixOptions, GaugeFixer, GaugeFixReport, gauge_fix, qk_drift, vo_drift
 from gaugeopt.adapters.apply_lrm import LRMLinear, apply_lrm, lrm_param_groups
+from gaugeopt.adapters.apply_lrm import fold_lrm
+from gaugeopt.models.lrm import LRMExportWarning
 from gaugeopt.tools.merging import merge
 from gaugeopt.integrations.optim import GaugeOptimizer, GaugeProjected
 from gaugeopt.projection.projector import GaugeProjector
@@ -71,6 +73,8 @@ __all__ = [
     "equivalent",
     "find_attention",
     "flat_directions",
+    "fold_lrm",
+    "LRMExportWarning",
     "spectral_fingerprint",
     "gauge_dimension",
     "gauge_fix",
