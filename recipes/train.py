@@ -270,6 +270,10 @@ def _quiet_lightning(quiet: bool) -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
     if quiet:
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
+        # the demo's checkpoints are for resuming, which needs the multipliers as they are (docs/gaugefix.md)
+        from gaugeopt.models.lrm import LRMExportWarning
+
+        warnings.filterwarnings("ignore", category=LRMExportWarning)
 
 
 class _DropAdverts:
