@@ -181,7 +181,12 @@ def computation_state(model: nn.Module) -> ComputationState:
     storages = {p.untyped_storage().data_ptr() for p in model.parameters() if not p.is_meta and p.numel()}
     walker = _Walker(state, storages)
     dropout = nn.modules.dropout._DropoutNd
+    lrm_paths: list[str] = []
     for path, module in model.named_modules(remove_duplicate=False):
+        if any(path.startswith(p + ".") for p in lrm_paths):
+            continue  # an LRM layer's multiplier lists: parameters, compared as its effective weight
+        if type(module) is LRMLinear:
+            lrm_paths.append(path)
         cls = nn.Linear if type(module) is LRMLinear else type(module)
         state.settings[f"{path}.__class__" if path else "__class__"] = f"{cls.__module__}.{cls.__qualname__}"
         if isinstance(module, dropout):

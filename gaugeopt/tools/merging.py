@@ -197,12 +197,13 @@ def align(
             RoPE base or scaling, sliding window, norm ``eps``, config: :mod:`gaugeopt.tools.computation`),
             different attention layouts, or a latent-attention model.
     """
-    refuse_latent(find_attention(model_a) + find_attention(model_b), "align")
+    sites_a, sites_b = find_attention(model_a), find_attention(model_b)
+    refuse_latent(sites_a + sites_b, "align")
+    _check_same(sites_a, sites_b)
     _refuse_different_computations(model_a, model_b)
     ref = canonicalize(model_a, section, residual=residual, sort_heads=sort_heads).model
     aligned = canonicalize(model_b, section, residual=residual, sort_heads=sort_heads).model
     sites_a, sites_b = find_attention(ref), find_attention(aligned)
-    _check_same(sites_a, sites_b)
     layers = []
     for sa, sb in zip(sites_a, sites_b):
         d0 = attention_distance(sa, sb)
