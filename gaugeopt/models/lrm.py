@@ -220,7 +220,8 @@ def fold_lrm(model: nn.Module) -> nn.Module:
     for name, m in layers:
         if parametrize.is_parametrized(m):
             raise GaugeError(f"fold_lrm: {name} carries a parametrization (torch.nn.utils.parametrize), which "
-                             "recomputes its tensors at every call; remove it first (parametrize.remove_parametrizations)")
+                             "recomputes its tensors at every call; remove it first "
+                             "(parametrize.remove_parametrizations)")
         if type(m) is not LRMLinear:
             raise GaugeError(f"fold_lrm: {name} is a {type(m).__qualname__}, a subclass of LRMLinear whose forward "
                              "may compute something else; fold it by hand (LRMLinear.folded gives the plain layer)")

@@ -24,13 +24,13 @@ paths) and records, by dotted path,
 
 Nothing is listed per model family. Left out, because the forward in evaluation mode does not read
 them: private attributes (``_name``: PyTorch's own bookkeeping, gaugeopt's stamps), ``training``,
-dtypes and devices (the tools compare in float64), dropout settings (any name containing ``drop``;
-``nn.Dropout`` modules' ``p``) and :data:`IGNORED_NAMES` — names that only describe the checkpoint
-or select an implementation of the same function (``transformers_version``, ``use_cache``,
-``initializer_range``, ``padding_idx`` ...). A difference in a value the forward happens to
-ignore in one configuration (Qwen2's ``sliding_window`` while ``use_sliding_window=False``) still
-counts: the check errs towards "different". An object of a class with neither fields nor
-``vars()`` is recorded by its class name only.
+dtypes and devices (the tools compare in float64), dropout settings (``dropout``, ``attn_pdrop``,
+``layerdrop``, ``drop_path_rate`` ...; ``nn.Dropout`` modules' ``p``) and :data:`IGNORED_NAMES` —
+names that only describe the checkpoint or select an implementation of the same function
+(``transformers_version``, ``use_cache``, ``initializer_range``, ``padding_idx`` ...). A difference in
+a value the forward happens to ignore in one configuration (Qwen2's ``sliding_window`` while
+``use_sliding_window=False``) still counts: the check errs towards "different". An object of a class
+with neither fields nor ``vars()`` is recorded by its class name only.
 
 Example:
     >>> import copy, torch
@@ -75,7 +75,9 @@ IGNORED_NAMES = frozenset({
     "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
     "chunk_size_feed_forward", "generation_config", "dtype", "torch_dtype",
 })
-_TRAIN_ONLY = re.compile("drop", re.IGNORECASE)  # dropout, attn_pdrop, layerdrop, drop_path_rate, ...
+# dropout, attn_pdrop, hidden_dropout_prob, layerdrop, drop_path_rate, drop_rate: read in training only
+# (not a MoE's drop_tokens, which changes what an evaluation computes)
+_TRAIN_ONLY = re.compile(r"dropout|pdrop|drop_?path|layer_?drop|drop_(?:rate|prob)", re.IGNORECASE)
 _DEPTH = 4
 _MISSING = object()
 
@@ -197,7 +199,7 @@ def computation_state(model: nn.Module) -> ComputationState:
         for name, buf in module._buffers.items():
             if buf is not None and not _ignored(name):
                 walker.tensor(f"{path}.{name}" if path else name, buf)
-        walker.fields(path, {k: v for k, v in vars(module).items() if k not in ("_parameters", "_buffers", "_modules")}, 0)
+        walker.fields(path, vars(module), 0)  # _parameters, _buffers, _modules: private, left out
     return state
 
 

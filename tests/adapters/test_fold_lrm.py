@@ -42,7 +42,8 @@ def test_logits_equal_to_1e_12_and_the_layout_of_the_plain_model(name):
     else:  # nn.Linear layouts: the model tools see one computation (GPT-2's MLP Conv1D stores (in, out))
         assert gaugeopt.equivalent(case.model, folded, 1e-10)
     # control: the base weights alone (what a loader that knows no multipliers reads) are another function
-    bare = zoo.build(name, 0).model  # W̄ is stored (out, in); a Conv1D wants (in, out): transposed as an exporter would
+    # W̄ is stored (out, in); a Conv1D wants (in, out): transposed, as an exporter would
+    bare = zoo.build(name, 0).model
     bare.load_state_dict({k: (v.t() if _is_conv1d_weight(bare, k) else v)
                           for k, v in case.model.state_dict().items() if "_mults" not in k})
     assert gaugeopt.relative_change(case.logits(), case.logits(bare)) > 1e-2
