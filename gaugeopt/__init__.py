@@ -29,6 +29,9 @@ from gaugeopt.tools.equivalence import equivalent, spectral_fingerprint
 from gaugeopt.errors import GaugeError
 from gaugeopt.fix import FixOptions, GaugeFixer, GaugeFixReport, gauge_fix, qk_drift, vo_drift
 from gaugeopt.adapters.apply_lrm import LRMLinear, apply_lrm, lrm_param_groups
+from gaugeopt.adapters.apply_lrm import fold_lrm
+from gaugeopt.adapters.muon_groups import muon_param_groups
+from gaugeopt.models.lrm import LRMExportWarning
 from gaugeopt.tools.merging import merge
 from gaugeopt.integrations.optim import GaugeOptimizer, GaugeProjected
 from gaugeopt.projection.projector import GaugeProjector
@@ -71,6 +74,8 @@ __all__ = [
     "equivalent",
     "find_attention",
     "flat_directions",
+    "fold_lrm",
+    "LRMExportWarning",
     "spectral_fingerprint",
     "gauge_dimension",
     "gauge_fix",
@@ -79,6 +84,7 @@ __all__ = [
     "lrm_param_groups",
     "max_attention_logits",
     "merge",
+    "muon_param_groups",
     "qk_clip",
     "qk_drift",
     "random_gauge_transform",

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import torch
 
-from recipes.corpus import load_corpus, resolve_corpus_name
+from .corpus import load_corpus, resolve_corpus_name
 
 __all__ = ["char_ids", "corpus_char_ids", "random_windows"]
 

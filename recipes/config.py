@@ -44,6 +44,7 @@ __all__ = [
     "RunConfig",
     "BatchPlan",
     "load_config",
+    "resolve_config_path",
     "config_from_dict",
     "apply_overrides",
 ]
@@ -512,8 +513,20 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     return d
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML config (following ``base:``), apply ``section.key=value`` overrides, validate."""
+def resolve_config_path(path: str | Path) -> Path:
+    """``path`` itself when it exists, else the packaged config of that name (``recipes/configs/<name>.yaml``):
+    so ``recipes/configs/tiny_cpu_B.yaml`` and ``tiny_cpu_B`` work from any directory once gaugeopt is installed."""
     path = Path(path)
+    if path.exists():
+        return path
+    packaged = Path(__file__).resolve().parent / "configs" / (path.name if path.suffix else f"{path.name}.yaml")
+    return packaged if packaged.is_file() else path
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML config (following ``base:``), apply ``section.key=value`` overrides, validate.
+
+    ``path`` is a file, or the name of a packaged config (:func:`resolve_config_path`)."""
+    path = resolve_config_path(path)
     d = apply_overrides(_read_yaml(path), list(overrides or []))
     return config_from_dict(d, name=d.get("name", path.stem))

@@ -46,8 +46,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from recipes.corpus import CORPORA
-from recipes.data_sources import (
+from . import invocation
+from .corpus import CORPORA
+from .data_sources import (
     OPENWEBTEXT_HUB_NAME,
     SOURCES,
     DataPrepError,
@@ -55,7 +56,7 @@ from recipes.data_sources import (
     content_hash,
     load_documents,
 )
-from recipes.tokenizer import TOKENIZERS, CharTokenizer, gpt2_encoding
+from .tokenizer import TOKENIZERS, CharTokenizer, gpt2_encoding
 
 if TYPE_CHECKING:
     import datasets
@@ -269,7 +270,7 @@ def prepare(
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m recipes.data",
+        prog=invocation(__spec__),
         description="Tokenize documents into nanoGPT-style train.bin/val.bin (uint16) + meta.json.",
         epilog="Reruns with unchanged inputs do nothing. See docs/data.md for offline use.",
     )
@@ -303,7 +304,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _default_out(args: argparse.Namespace) -> str:
     if args.source == "builtin":
-        from recipes.corpus import resolve_corpus_name
+        from .corpus import resolve_corpus_name
 
         name = resolve_corpus_name(args.corpus)
     elif args.source == "openwebtext":
@@ -315,8 +316,8 @@ def _default_out(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; errors are printed as one message, not a traceback."""
-    from recipes.corpus import CorpusUnavailableError
-    from recipes.tokenizer import TokenizerUnavailableError
+    from .corpus import CorpusUnavailableError
+    from .tokenizer import TokenizerUnavailableError
 
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

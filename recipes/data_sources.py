@@ -107,7 +107,7 @@ class SourceSpec:
         if self.kind == "text":
             out["doc_sep"] = self.doc_sep
         if self.kind == "builtin":
-            from recipes.corpus import resolve_corpus_name
+            from .corpus import resolve_corpus_name
 
             out["corpus"] = resolve_corpus_name(self.corpus)
         return out
@@ -168,7 +168,7 @@ def content_hash(spec: SourceSpec, dataset: datasets.Dataset | None = None) -> s
     if spec.kind == "hf-dir":
         return _hash_files(_hf_dir_data_files(Path(spec.inputs[0])))
     if spec.kind == "builtin":
-        from recipes.corpus import load_corpus
+        from .corpus import load_corpus
 
         digest = hashlib.sha256()
         for doc in load_corpus(spec.corpus):
@@ -252,7 +252,7 @@ def load_documents(
     import datasets
 
     if spec.kind == "builtin":
-        from recipes.corpus import load_corpus
+        from .corpus import load_corpus
 
         return datasets.Dataset.from_dict({"text": load_corpus(spec.corpus)})
 

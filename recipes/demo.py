@@ -39,7 +39,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+from . import CONFIGS, invocation
 
 # (label, config, extra overrides, Q/K decay shown in the table, GaugeFix shown in the table)
 RUNS = [
@@ -67,8 +67,8 @@ def _run_one(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec["threads"])
-    from recipes.config import load_config
-    from recipes.train import read_metrics, train
+    from .config import load_config
+    from .train import read_metrics, train
 
     cfg = load_config(CONFIGS / f"{spec['config']}.yaml", spec["overrides"])
     started = time.perf_counter()
@@ -133,7 +133,7 @@ def plot(results: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=invocation(__spec__), description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 500; --quick: 100)")
     p.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     p.add_argument("--quick", action="store_true",
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from recipes.config import load_config
-    from recipes.train import _ensure_data
+    from .config import load_config
+    from .train import _ensure_data
 
     base = load_config(CONFIGS / "tiny_cpu_A.yaml", [f"data.dir={args.data}"] if args.data else [])
     meta = _ensure_data(base, rank=0)  # once, before the workers start

@@ -52,9 +52,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from gaugeopt import lrm_param_groups
 
-from recipes.config import ModelConfig, OptimConfig
-from recipes.model import build_model
-from recipes.perf import device_name, peak_flops
+from .config import ModelConfig, OptimConfig
+from .model import build_model
+from .perf import device_name, peak_flops
 
 __all__ = ["GPTLitModule", "MemmapDataModule", "CosineSchedule", "RandomWindows", "FixedWindows"]
 
@@ -353,7 +353,7 @@ class MemmapDataModule(pl.LightningDataModule):
         self.meta: dict[str, Any] | None = None
 
     def setup(self, stage: str | None = None) -> None:
-        from recipes.data import read_meta
+        from .data import read_meta
 
         meta = read_meta(self.data_dir)
         if meta is None:

@@ -26,7 +26,7 @@ import torch.nn as nn
 from gaugeopt import LRMLinear, apply_lrm
 from gaugeopt.models import GPT
 
-from recipes.config import ModelConfig
+from .config import ModelConfig
 
 __all__ = ["build_model", "count_parameters", "padded_vocab_size"]
 

@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from recipes.config import ConfigError, RunConfig, TrainConfig, load_config
+from . import invocation
+from .config import ConfigError, RunConfig, TrainConfig, load_config
 
 __all__ = ["Hardware", "RunResult", "resolve_hardware", "find_checkpoint", "build_trainer", "train", "read_metrics", "main"]
 
@@ -129,8 +130,8 @@ def find_checkpoint(run_dir: str | Path) -> Path | None:
 
 def _ensure_data(cfg: RunConfig, rank: int, timeout_s: float = 1800.0) -> dict[str, Any]:
     """Read the data's meta.json; prepare a built-in corpus first if ``data.prepare`` says so (rank 0)."""
-    from recipes.data import prepare, read_meta
-    from recipes.data_sources import SourceSpec
+    from .data import prepare, read_meta
+    from .data_sources import SourceSpec
 
     meta = read_meta(cfg.data.dir)
     if meta is not None or cfg.data.prepare is None:
@@ -154,7 +155,7 @@ def _ensure_data(cfg: RunConfig, rank: int, timeout_s: float = 1800.0) -> dict[s
 
 
 def _model_vocab(cfg: RunConfig, meta: dict[str, Any]) -> int:
-    from recipes.model import padded_vocab_size
+    from .model import padded_vocab_size
 
     need = int(meta["vocab_size"])
     if cfg.model.vocab_size is None:
@@ -270,6 +271,10 @@ def _quiet_lightning(quiet: bool) -> None:
             logging.getLogger(name).setLevel(logging.WARNING)
     if quiet:
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system")
+        # the demo's checkpoints are for resuming, which needs the multipliers as they are (docs/gaugefix.md)
+        from gaugeopt.models.lrm import LRMExportWarning
+
+        warnings.filterwarnings("ignore", category=LRMExportWarning)
 
 
 class _DropAdverts:
@@ -298,7 +303,7 @@ def train(
     import lightning
     import torch
 
-    from recipes.lit import GPTLitModule, MemmapDataModule
+    from .lit import GPTLitModule, MemmapDataModule
 
     _quiet_lightning(quiet)
     hw = resolve_hardware(cfg.train)
@@ -413,7 +418,7 @@ def dry_run(cfg: RunConfig) -> int:
     import torch
     import yaml
 
-    from recipes.model import build_model, count_parameters
+    from .model import build_model, count_parameters
 
     hw = resolve_hardware(cfg.train)
     plan = cfg.batch_plan(hw.world_size)
@@ -434,8 +439,9 @@ def dry_run(cfg: RunConfig) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="YAML config (recipes/configs/*.yaml)")
+    p = argparse.ArgumentParser(prog=invocation(__spec__), description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True,
+                   help="YAML config: a file, or the name of one of recipes/configs/*.yaml (e.g. tiny_cpu_B)")
     p.add_argument("--set", nargs="+", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
                    help="override config values, e.g. --set optim.lr=1e-3 train.seed=123")
     p.add_argument("--resume", metavar="CKPT", help="resume from this checkpoint (default: the run dir's newest)")

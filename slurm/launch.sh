@@ -9,15 +9,24 @@
 # newest checkpoint.  Devices per node = tasks per node (one process per GPU), nodes = SLURM_NNODES.
 #
 # Knobs (environment, ${VAR:-default}; sbatch passes the submitting shell's environment on):
-#   CONFIG       recipes/configs/*.yaml to train              (template's default)
-#   SEED         train.seed                                     (42)
-#   ACCELERATOR  gpu | cpu                                      (gpu)
-#   PYTHON       the interpreter with gaugeopt's dependencies   (python)
-#   RUN_NAME     train.run_name (default: <config>_s<seed>)
-#   OUT_DIR      train.out_dir                                  (the config's, runs/)
-#   EXTRA_ARGS   more section.key=value overrides, space separated, e.g. "train.max_steps=100"
-#   DRY_RUN=1    print the srun command and run `recipes.train --dry-run` (no srun, no GPU needed)
+#   CONFIG           recipes/configs/*.yaml to train                (the template's default)
+#   SEED             train.seed                                       (42)
+#   ACCELERATOR      gpu | cpu                                        (gpu)
+#   PYTHON           the interpreter with gaugeopt's dependencies     (python)
+#   RUN_NAME         train.run_name                                   (<config>_s<seed>)
+#   OUT_DIR          train.out_dir                                    (the config's, runs/)
+#   EXTRA_ARGS       more section.key=value overrides, space separated, e.g. "train.max_steps=100"
+#   DRY_RUN=1        print the srun command and run `recipes.train --dry-run` (no srun, no GPU needed)
+#   REPO             the repository to run in                         ($SLURM_SUBMIT_DIR, else the current one)
+#   NODES            nodes, outside a job (DRY_RUN)                   (under Slurm: $SLURM_NNODES; else 1)
+#   GPUS_PER_NODE    tasks per node, outside a job                    (under Slurm: --ntasks-per-node; else 8)
+#   OMP_NUM_THREADS  threads per task                                 ($SLURM_CPUS_PER_TASK, else 1)
+# `bash slurm/launch.sh --help` (or a template's --help) prints this.
 # =====================================================================================================
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the header above, without the comment marks
+    awk '/^# =+$/ {n++; next} n == 1 {sub(/^# ?/, ""); print} n > 1 {exit}' "${BASH_SOURCE[0]}"
+    exit 0
+fi
 set -euo pipefail
 
 # ---- where and what ----------------------------------------------------------------------------------

@@ -9,7 +9,22 @@
 #   slurm/sweep.sh                                              # submit them
 #   TEMPLATE=slurm/train_8xH100.sbatch SBATCH_ARGS="--partition=h100" slurm/sweep.sh
 #   CONDITIONS="A B" SEEDS="42" FREQS="" slurm/sweep.sh         # a subset
+#   slurm/sweep.sh --help                                       # this text
+#
+# Knobs (environment):
+#   TEMPLATE     the sbatch template each run is submitted with   (slurm/train_8xA100.sbatch)
+#   CONDITIONS   Table 1's conditions                              (A B C)
+#   SEEDS        Table 1's seeds                                   (42 123 456)
+#   FREQS        Table 2's GaugeFix intervals                      (10 100 1000; "" submits none)
+#   FREQ_SEED    Table 2's seed                                    (42)
+#   SBATCH_ARGS  more sbatch options for every run, e.g. "--partition=h100 --account=me"
+#   CONFIGS_DIR  the folder of the configs                         (recipes/configs)
+# and the template's own (CONFIG and SEED are set per run): `bash slurm/train_8xA100.sbatch --help`.
 # =====================================================================================================
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the header above, without the comment marks
+    awk '/^# =+$/ {n++; next} n == 1 {sub(/^# ?/, ""); print} n > 1 {exit}' "${BASH_SOURCE[0]}"
+    exit 0
+fi
 set -euo pipefail
 
 # ---- knobs --------------------------------------------------------------------------------------------
@@ -25,7 +40,7 @@ DRY=0
 case "${1:-}" in
     --dry-run) DRY=1 ;;
     "") ;;
-    *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--dry-run | --help]" >&2; exit 2 ;;
 esac
 
 submit() {  # submit <config> <seed> <job name>

@@ -10,7 +10,8 @@ errors. What lives here reads the attention records, so it sits with them:
 * :func:`qk_multiplier_names` names the multipliers of the Q/K pair of every record, and
   :func:`lrm_param_groups` builds the optimizer parameter groups of paper 002's conditions from them.
 
-``LRMLinear`` and ``is_lrm`` stay importable from here.
+``LRMLinear``, ``is_lrm`` and :func:`fold_lrm` (the way back: every LRM layer replaced by the plain
+layer it computes, for export) are importable from here too.
 
 Example:
     >>> import torch, gaugeopt
@@ -33,10 +34,10 @@ from typing import Callable
 import torch.nn as nn
 
 from gaugeopt.errors import GaugeError
-from gaugeopt.models.lrm import LRMLinear, _is_conv1d, is_lrm
+from gaugeopt.models.lrm import LRMLinear, _is_conv1d, carry_hooks, fold_lrm, is_lrm
 from gaugeopt.adapters.find import find_attention
 
-__all__ = ["LRMLinear", "apply_lrm", "lrm_param_groups", "qk_multiplier_names", "is_lrm"]
+__all__ = ["LRMLinear", "apply_lrm", "fold_lrm", "lrm_param_groups", "qk_multiplier_names", "is_lrm"]
 
 
 def _fused_layouts(model: nn.Module, sites) -> dict[int, tuple[int, ...] | str]:
@@ -147,25 +148,13 @@ def apply_lrm(
         paths.setdefault(id(m), []).append(name)
     for name, module in replacements:
         new = LRMLinear.from_linear(module, layouts.get(id(module)))
-        _carry_hooks(module, new)
+        carry_hooks(module, new)
         for path in paths[id(module)]:  # a module used at several places stays one module
             parent_name, _, attr = path.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, attr, new)
     _disable_fused_fast_paths(model)
     return model
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
-
-
-def _carry_hooks(old: nn.Module, new: nn.Module) -> None:
-    """Move ``old``'s forward and backward hooks onto ``new``, which computes the same outputs from the
-    same inputs: the dictionaries themselves move, so the users' ``RemovableHandle`` s still remove them."""
-    for attr in _HOOK_DICTS:
-        if hasattr(old, attr):
-            setattr(new, attr, getattr(old, attr))
 
 
 def _disable_fused_fast_paths(model: nn.Module) -> None:

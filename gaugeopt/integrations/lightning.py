@@ -61,6 +61,7 @@ from gaugeopt.fix.gaugefix import GaugeFixer
 from gaugeopt.fix.options import FIX_MODES, check_choice
 from gaugeopt.integrations.clip import ClipSteps
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps, StepCounter, owning_optimizers
+from gaugeopt.models.lrm import warn_unfolded_save
 from gaugeopt.records.site import AttentionSite
 from gaugeopt.adapters.find import find_attention
 
@@ -98,6 +99,10 @@ class _StepCounter(StepCounter, Callback):
         metrics = self.pop_metrics()
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False, sync_dist=False)
+
+    @override
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        warn_unfolded_save(pl_module, "Lightning's checkpoint")
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -60,6 +60,7 @@ from gaugeopt.errors import GaugeError
 from gaugeopt.fix.options import FixOptions
 from gaugeopt.integrations.clip import ClipSteps
 from gaugeopt.integrations.steps import FixSteps, ProjectSteps, owning_optimizers
+from gaugeopt.models.lrm import warn_unfolded_save
 
 __all__ = ["GaugeFixCallback", "GaugeProjectionCallback", "QKClipCallback"]
 
@@ -129,8 +130,12 @@ class _TrainerSide(TrainerCallback, ExportableState):
             if state.log_history:  # Trainer.log appended this record just before on_log
                 state.log_history[-1].update(metrics)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args, state, control, model=None, **kwargs):
         self.detach()
+        warn_unfolded_save(model, "trainer.save_model() / model.save_pretrained() after training")
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        warn_unfolded_save(model, "the Trainer's checkpoints (checkpoint-N/)")
 
     # -- checkpoints (ExportableState) -----------------------------------------------------
     def state(self) -> dict[str, Any]:

@@ -19,7 +19,10 @@ This module is the layer alone, a building block of models like :mod:`gaugeopt.m
 imports nothing of gaugeopt but its errors, so every layer of the package may read it. Converting
 a model's linear layers and grouping the multipliers for an optimizer read the attention records,
 and live with them (:mod:`gaugeopt.adapters.apply_lrm`: :func:`gaugeopt.apply_lrm`,
-:func:`gaugeopt.lrm_param_groups`).
+:func:`gaugeopt.lrm_param_groups`). Undoing the conversion needs only the layer, so it is here:
+:func:`fold_lrm` (public as :func:`gaugeopt.fold_lrm`) replaces every LRM layer by the plain layer it
+computes, ``W = diag(r)·W̄·diag(c)``, ``b = r ⊙ b̄`` — what to save for a library that knows no
+multipliers (a stock Hugging Face ``from_pretrained``).
 
 Example:
     >>> import torch
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 
 from gaugeopt.errors import GaugeError
 
-__all__ = ["LRMLinear", "is_lrm"]
+__all__ = ["LRMLinear", "is_lrm", "fold_lrm", "LRMExportWarning", "warn_unfolded_save"]
 
 
 class LRMLinear(nn.Module):
@@ -82,6 +85,7 @@ class LRMLinear(nn.Module):
         self.row_mults = nn.ParameterList([nn.Parameter(torch.ones(s, **factory)) for s in sizes])
         self.col_mults = nn.ParameterList([nn.Parameter(torch.ones(in_features, **factory)) for _ in sizes])
         nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        self._plain_class: type = nn.Linear  # what folded() builds: the class from_linear converted
 
     @classmethod
     def from_linear(cls, linear: nn.Module, split_sizes: Sequence[int] | None = None) -> "LRMLinear":
@@ -99,7 +103,30 @@ class LRMLinear(nn.Module):
             if linear.bias is not None:
                 new.bias.copy_(linear.bias.detach())
         new.weight.requires_grad_(linear.weight.requires_grad)
+        new._plain_class = type(linear)
         return new
+
+    @torch.no_grad()
+    def folded(self) -> nn.Module:
+        """The plain layer computing this one's function: ``W = diag(r)·W̄·diag(c)`` (per block of a fused
+        layer) and ``b = r ⊙ b̄``, formed in float64 and stored in ``W̄``'s dtype and device.
+
+        It is an ``nn.Linear``, or the Hugging Face ``Conv1D`` that :meth:`from_linear` converted (weight
+        stored ``(in, out)`` again); its parameters are new tensors, ``requires_grad`` as ``W̄`` and ``b̄``.
+        """
+        w = torch.cat([r.double()[:, None] * wb.double() * c.double()[None, :] for wb, r, c in
+                       zip(self.weight.split(self.split_sizes, dim=0), self.row_mults, self.col_mults)])
+        w = w.to(self.weight.dtype)
+        cls = getattr(self, "_plain_class", nn.Linear)  # a layer pickled before the attribute existed: Linear
+        conv1d = cls is not nn.Linear
+        with torch.device("meta"):  # no initialisation work; every tensor is replaced below
+            plain = cls(self.out_features, self.in_features) if conv1d else \
+                nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        plain.weight = nn.Parameter(w.t().contiguous() if conv1d else w, requires_grad=self.weight.requires_grad)
+        if self.bias is not None:
+            b = (self.bias.double() * self.row_multiplier().double()).to(self.bias.dtype)
+            plain.bias = nn.Parameter(b, requires_grad=self.bias.requires_grad)
+        return plain.train(self.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.split_sizes) == 1:
@@ -138,10 +165,104 @@ def is_lrm(model: nn.Module) -> bool:
     return any(isinstance(m, LRMLinear) for m in model.modules())
 
 
-def _is_conv1d(m: nn.Module) -> bool:
-    return type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers")
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
 
 
-def is_lrm(model: nn.Module) -> bool:
-    """True when ``model`` contains at least one :class:`LRMLinear`."""
-    return any(isinstance(m, LRMLinear) for m in model.modules())
+def carry_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Move ``old``'s forward and backward hooks onto ``new``, which computes the same outputs from the
+    same inputs: the dictionaries themselves move, so the users' ``RemovableHandle`` s still remove them."""
+    for attr in _HOOK_DICTS:
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+
+
+@torch.no_grad()
+def fold_lrm(model: nn.Module) -> nn.Module:
+    """Replace every :class:`LRMLinear` in ``model`` by the plain layer it computes, in place.
+
+    Per layer ``W = diag(r)·W̄·diag(c)`` (each block of a fused Q/K/V projection with its own ``r``,
+    ``c``) and ``b = r ⊙ b̄``, formed in float64 (:meth:`LRMLinear.folded`): an ``nn.Linear``, or the
+    Hugging Face ``Conv1D`` the layer was converted from, so the model's state dict has the parameter
+    names and layouts of the model before :func:`gaugeopt.apply_lrm` and a stock ``from_pretrained``
+    loads it as the same function. Hooks move to the new layers; a layer used at several places stays
+    one layer. A model without LRM layers is returned unchanged.
+
+    **Optimizer state.** The folded model has new parameters: an optimizer built over the old ones
+    keeps ``W̄``, ``r``, ``c`` (and their moments), which the model no longer reads, and never steps
+    ``W``. Fold for export or evaluation — ``fold_lrm(copy.deepcopy(model))`` while training goes on —
+    or build a new optimizer afterwards (the multipliers' moments have no counterpart in ``W``).
+
+    Raises:
+        GaugeError: a subclass of :class:`LRMLinear` (its forward may differ), a parametrised layer
+            (``torch.nn.utils.parametrize``), a sharded (DTensor) or meta parameter — fold a gathered
+            full copy instead.
+
+    Example:
+        >>> import copy, torch, gaugeopt
+        >>> from gaugeopt.models import GPT, GPTConfig
+        >>> model = gaugeopt.apply_lrm(GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16)))
+        >>> with torch.no_grad():
+        ...     _ = model.transformer.h[0].attn.c_attn.row_mults[0].mul_(3.0)
+        >>> x = torch.randint(0, 64, (2, 8))
+        >>> plain = gaugeopt.fold_lrm(copy.deepcopy(model))
+        >>> type(plain.transformer.h[0].attn.c_attn).__name__, "row_mults" in str(list(plain.state_dict()))
+        ('Linear', False)
+        >>> torch.allclose(plain(x)[0], model(x)[0], atol=1e-5)
+        True
+    """
+    from torch.nn.utils import parametrize
+
+    if isinstance(model, LRMLinear):
+        raise GaugeError("fold_lrm: pass the model containing the layer (a module's own type cannot change in "
+                         "place); for a single layer use layer.folded()")
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, LRMLinear)]
+    for name, m in layers:
+        if parametrize.is_parametrized(m):
+            raise GaugeError(f"fold_lrm: {name} carries a parametrization (torch.nn.utils.parametrize), which "
+                             "recomputes its tensors at every call; remove it first "
+                             "(parametrize.remove_parametrizations)")
+        if type(m) is not LRMLinear:
+            raise GaugeError(f"fold_lrm: {name} is a {type(m).__qualname__}, a subclass of LRMLinear whose forward "
+                             "may compute something else; fold it by hand (LRMLinear.folded gives the plain layer)")
+        for pname, p in m.named_parameters():
+            if p.is_meta or type(p.data).__name__ == "DTensor" or type(p).__name__ == "DTensor":
+                raise GaugeError(
+                    f"fold_lrm: {name}.{pname} is {'on the meta device' if p.is_meta else 'sharded (DTensor)'}; fold "
+                    "a full, materialised copy (e.g. the state dict gathered with full_state_dict=True, loaded into "
+                    "an unsharded model)")
+    paths: dict[int, list[str]] = {}
+    for name, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(name)
+    for _, m in layers:
+        plain = m.folded()
+        carry_hooks(m, plain)
+        for path in paths[id(m)]:
+            parent_name, _, attr = path.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, plain)
+    return model
+
+
+class LRMExportWarning(UserWarning):
+    """Saving a model with learnable multipliers where a library without them may load it (see :func:`fold_lrm`)."""
+
+
+def warn_unfolded_save(model: nn.Module | None, where: str) -> bool:
+    """Warn (:class:`LRMExportWarning`) that ``where`` stores ``model``'s multipliers as they are.
+
+    What the training integrations call when they save: the checkpoint must keep ``W̄``, ``r``, ``c``
+    to resume, and a library that knows no multipliers reads it as another function. Returns whether
+    it warned (``model`` has LRM layers)."""
+    if model is None or not is_lrm(model):
+        return False
+    import warnings
+
+    warnings.warn(
+        f"{where} stores a model with learnable multipliers (LRMLinear: W = diag(r)·W̄·diag(c)) as W̄, r and c, "
+        "which is what resuming needs. Loaded by a library that knows no multipliers (a stock Hugging Face "
+        "from_pretrained, load_state_dict(strict=False) into the original model) it is a different model: W̄ is "
+        "read as the weight and r, c are dropped, silently. To export, save a folded copy: "
+        "gaugeopt.fold_lrm(copy.deepcopy(model)).save_pretrained(path) (docs/gaugefix.md, 'Exporting').",
+        LRMExportWarning, stacklevel=3,
+    )
+    return True

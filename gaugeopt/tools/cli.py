@@ -17,6 +17,8 @@ command               what it prints / writes
 ``merge``             per-layer alignment distances; writes the gauge-aligned average
 ====================  ====================================================================
 
+``gaugeopt --version`` prints the version of the package that runs, with torch's and Python's.
+
 A checkpoint argument is a directory (``config.json`` + ``model.safetensors``) or a weights
 file (config from ``--config``, ``<weights>.json`` or a sibling ``config.json``); see
 :mod:`gaugeopt.tools.checkpoint`. Computation is in float64 unless ``--dtype`` says otherwise;
@@ -47,7 +49,7 @@ import torch
 from gaugeopt.errors import GaugeError
 from gaugeopt.flat.meter import DEFAULT_MAX_PARAMS
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "version_line"]
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
@@ -390,6 +392,14 @@ def _cmd_merge(args) -> int:
 
 
 # ---------------------------------------------------------------------- parser and entry point
+def version_line() -> str:
+    """``gaugeopt <version> (torch <version>, Python <version>)``, for ``--version`` and bug reports."""
+    import platform
+
+    version = sys.modules["gaugeopt"].__version__  # the running package (imported before any of its modules)
+    return f"gaugeopt {version} (torch {torch.__version__}, Python {platform.python_version()})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--dtype", choices=sorted(_DTYPES), default="float64", help="compute dtype (default float64)")
@@ -397,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--seed", type=int, default=0, help="seed of random tokens and transforms")
 
     parser = _Parser(prog="gaugeopt", description="Gauge tools for transformer checkpoints (see docs/model_tools.md).")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
 
     p = sub.add_parser("count", parents=[common], help="symmetry dimensions of a config or checkpoint")

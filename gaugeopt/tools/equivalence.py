@@ -33,11 +33,15 @@ factorisation, paper 000 Thm. 22; ``E = J_m`` forces the factor to commute with 
 plane, i.e. to lie in the RoPE commutant). So :func:`compare` decides ``G``-equivalence by
 
 1. the same architecture (attention shapes and RoPE layout, parameter names and shapes);
-2. equal *gauge-inert* tensors: every parameter outside the attention projections, the
+2. the same computation besides the parameters (:mod:`gaugeopt.tools.computation`): every module's
+   class, buffers (``inv_freq``) and settings (RoPE base and scaling, sliding window, norm ``eps``,
+   attention scale, the Hugging Face config the modules read) — a difference is named in the
+   report's ``reason``;
+3. equal *gauge-inert* tensors: every parameter outside the attention projections, the
    effective output bias, and the effective weights ``diag(r)·W̄·diag(c)`` of every other
    :class:`~gaugeopt.models.lrm.LRMLinear` (so LRM multipliers and their internal rescalings are
    quotiented too) — the output bias with the value bias folded in;
-3. per layer, a head matching that respects KV groups (optimal assignment on circuit
+4. per layer, a head matching that respects KV groups (optimal assignment on circuit
    distances, two levels under GQA) under which every head's circuits agree.
 
 Circuit distances never form a ``d×d`` matrix: for the matching,
@@ -90,6 +94,7 @@ import torch
 import torch.nn as nn
 
 from gaugeopt.tools.canonical import effective_tensors, refuse_latent, refuse_layer_norm
+from gaugeopt.tools.computation import computation_difference, computation_state
 from gaugeopt.errors import GaugeError
 from gaugeopt.models.lrm import LRMLinear
 from gaugeopt.records.rope import plane_index
@@ -357,6 +362,9 @@ def compare(model_a: nn.Module, model_b: nn.Module, tol: float = 1e-8) -> Equiva
     if sig_a != sig_b:
         what = "attention layers (heads, widths or RoPE)" if sig_a[0] != sig_b[0] else "parameter names or shapes"
         return EquivalenceReport(False, tol, f"different architectures: the {what} differ")
+    computation = computation_difference(computation_state(model_a), computation_state(model_b), tol)
+    if computation:
+        return EquivalenceReport(False, tol, f"different computations besides the parameters: {computation}")
     worst_inert = max(((_rel(inert_a[k], inert_b[k]), k) for k in inert_a), default=(0.0, ""))
     layers, margin = [], float("inf")
     for sa, sb in zip(sites_a, sites_b):
@@ -395,10 +403,12 @@ class SpectralFingerprint:
     fingerprints are necessary for gauge equivalence, never sufficient.
 
     Attributes:
-        signature: attention shapes/RoPE layouts and the inert tensors' names and shapes.
+        signature: attention shapes/RoPE layouts, the inert tensors' names and shapes, and the
+            computation besides the parameters (:meth:`gaugeopt.tools.computation.ComputationState.key`:
+            every module's class and settings, its buffers' names and shapes).
         spectra: per layer ``(h, d_k + d_v)``: each head's QK-circuit singular values then its
             OV-circuit singular values (descending), rows in decreasing QK-circuit energy.
-        inert_norms: Frobenius norms of the inert tensors, in ``signature`` order.
+        inert_norms: Frobenius norms of the inert tensors, then of the buffers, in ``signature`` order.
     """
 
     signature: tuple
@@ -450,6 +460,8 @@ def spectral_fingerprint(model: nn.Module) -> SpectralFingerprint:
         sq, so = torch.linalg.svdvals(rq @ rk.mT), torch.linalg.svdvals(ro @ rv.mT)
         order = torch.argsort(sq.square().sum(-1), descending=True)
         spectra.append(torch.cat([sq, so], -1)[order])
-    sig = _signature(sites, inert)
-    norms = torch.tensor([float(inert[k].norm()) for k, _ in sig[1]], dtype=torch.float64)
-    return SpectralFingerprint(sig, tuple(spectra), norms)
+    state = computation_state(model)
+    sig = (*_signature(sites, inert), state.key())
+    norms = [float(inert[k].norm()) for k, _ in sig[1]]
+    norms += [float(state.tensors[k].detach().cpu().abs().double().norm()) for k, _ in sig[2][1]]
+    return SpectralFingerprint(sig, tuple(spectra), torch.tensor(norms, dtype=torch.float64))

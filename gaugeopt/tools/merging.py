@@ -21,6 +21,10 @@ so averaging their raw parameters averages unrelated coordinates. :func:`merge` 
    ``X = [W_V[j] | b_V[j], W_O[:, i]ᵀ …]`` and ``C = Ωᵀ``.
 4. **Average** every floating-point tensor of the state dict.
 
+Two models whose modules read different non-parameter state — a RoPE base or scaling, a sliding
+window, a norm ``eps``, a buffer like ``inv_freq``, a config value (:mod:`gaugeopt.tools.computation`)
+— are refused before step 1, the difference named: the average would silently run under A's settings.
+
 Step 3 is Algorithm 3's "query–key Procrustes", extended to V/O. With ``residual="fix"``
 (default) the canonical forms of gauge-equivalent models already coincide and steps 2–3 only
 undo what differs between *different* models; with ``residual="keep"`` they do the work.
@@ -48,6 +52,7 @@ import torch.nn as nn
 
 from gaugeopt.transforms import act_qk, act_vo, permute_heads
 from gaugeopt.tools.canonical import stack_outputs, stack_queries, canonicalize, effective_tensors, refuse_latent
+from gaugeopt.tools.computation import computation_difference, computation_state
 from gaugeopt.tools.equivalence import _aug, match_heads
 from gaugeopt.errors import GaugeError
 from gaugeopt.records.site import AttentionSite
@@ -144,6 +149,20 @@ def _align_vo(site_a: AttentionSite, site_b: AttentionSite) -> None:
     act_vo(site_b, omega.mT)  # C = Ωᵀ: W_V ← ΩW_V, W_O[:, i] ← W_O[:, i]C⁻ᵀ = W_O[:, i]Ωᵀ
 
 
+def _refuse_different_computations(model_a: nn.Module, model_b: nn.Module) -> None:
+    """Models whose modules read different buffers or settings (RoPE base, window, eps, config) have no
+    meaningful average: refuse, naming the difference. Buffers may differ by rounding (16 ulp of the
+    coarser parameter dtype)."""
+    eps = max((torch.finfo(p.dtype).eps for m in (model_a, model_b) for p in m.parameters() if p.is_floating_point()),
+              default=torch.finfo(torch.float64).eps)
+    diff = computation_difference(computation_state(model_a), computation_state(model_b), 16 * eps)
+    if diff:
+        raise GaugeError(
+            f"merge: the two models compute different functions besides their parameters — {diff}. An average "
+            "of their parameters would run under model_a's settings; merge only models built from one configuration"
+        )
+
+
 def _check_same(sites_a, sites_b) -> None:
     shape = lambda s: (s.h, s.h_kv, s.d_k, s.d_v, s.d_model, s.rope)  # noqa: E731
     if [shape(s) for s in sites_a] != [shape(s) for s in sites_b]:
@@ -172,12 +191,19 @@ def align(
 
     Returns:
         A :class:`MergeResult` with ``reference``, ``aligned`` and ``layers`` (``merged=None``).
+
+    Raises:
+        GaugeError: the models differ besides their parameters (a module's class, buffer or setting —
+            RoPE base or scaling, sliding window, norm ``eps``, config: :mod:`gaugeopt.tools.computation`),
+            different attention layouts, or a latent-attention model.
     """
-    refuse_latent(find_attention(model_a) + find_attention(model_b), "align")
+    sites_a, sites_b = find_attention(model_a), find_attention(model_b)
+    refuse_latent(sites_a + sites_b, "align")
+    _check_same(sites_a, sites_b)
+    _refuse_different_computations(model_a, model_b)
     ref = canonicalize(model_a, section, residual=residual, sort_heads=sort_heads).model
     aligned = canonicalize(model_b, section, residual=residual, sort_heads=sort_heads).model
     sites_a, sites_b = find_attention(ref), find_attention(aligned)
-    _check_same(sites_a, sites_b)
     layers = []
     for sa, sb in zip(sites_a, sites_b):
         d0 = attention_distance(sa, sb)
@@ -231,7 +257,8 @@ def merge(
         A :class:`MergeResult`; ``merged`` is the averaged model.
 
     Raises:
-        GaugeError: different architectures, a rank-deficient head, or SciPy missing.
+        GaugeError: different architectures or computations besides the parameters (named in the
+            message: :func:`align`), a rank-deficient head, or SciPy missing.
     """
     if not 0.0 <= alpha <= 1.0:
         raise GaugeError(f"merge: alpha={alpha!r} must lie in [0, 1]")

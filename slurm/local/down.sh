@@ -6,7 +6,14 @@
 #   slurm/local/down.sh --purge    # ... and delete SLURM_LOCAL_DIR
 #
 # Only the processes named in the state folder's pid files are signalled.  Idempotent.
+#
+# Knobs (environment):
+#   SLURM_LOCAL_DIR   the state folder up.sh used                       (${TMPDIR:-/tmp}/gaugeopt-slurm)
 # =====================================================================================================
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the header above, without the comment marks
+    awk '/^# =+$/ {n++; next} n == 1 {sub(/^# ?/, ""); print} n > 1 {exit}' "${BASH_SOURCE[0]}"
+    exit 0
+fi
 set -uo pipefail
 
 STATE="${SLURM_LOCAL_DIR:-${TMPDIR:-/tmp}/gaugeopt-slurm}"

@@ -13,7 +13,19 @@
 # Idempotent: a running cluster is reused.  Missing Debian packages (slurmctld slurmd slurm-client
 # munge) are installed with apt-get.  Clients find the cluster through SLURM_CONF (printed on stdout;
 # everything else goes to stderr).  Takes about a second once the packages are installed.
+#
+# Knobs (environment):
+#   SLURM_LOCAL_DIR          state, logs and slurm.conf                 (${TMPDIR:-/tmp}/gaugeopt-slurm)
+#   SLURM_LOCAL_CPUS         CPUs the node declares                      (16)
+#   SLURM_LOCAL_CTLD_PORT    slurmctld's port                            (6817)
+#   SLURM_LOCAL_SLURMD_PORT  slurmd's port                               (6818)
+#   SLURM_LOCAL_INSTALL      1: apt-get missing packages; 0: fail instead (1)
+#   SLURM_LOCAL_WAIT_S       seconds to wait for the node to come up     (30)
 # =====================================================================================================
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then  # the header above, without the comment marks
+    awk '/^# =+$/ {n++; next} n == 1 {sub(/^# ?/, ""); print} n > 1 {exit}' "${BASH_SOURCE[0]}"
+    exit 0
+fi
 set -euo pipefail
 
 # ---- knobs ------------------------------------------------------------------------------------------

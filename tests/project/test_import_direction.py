@@ -21,7 +21,8 @@ math)
 ``flat`` (the meter)               the layers up to ``transforms``
 ``tools``                          every layer above
 ``integrations``, ``callbacks``,   anything
-``metrics``, the top level
+``metrics``, ``recipes`` (the
+training recipes), the top level
 =================================  =============================================================
 
 Inside one subpackage the modules' imports form no cycle (:func:`test_no_import_cycles_inside_a_subpackage`):
@@ -102,7 +103,7 @@ def _modules(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
 
 def test_every_layer_is_known():
     packages = {_package_of(p) for p in _modules()}
-    known = set(ALLOWED) | {"integrations", "callbacks", "metrics", "__init__", "__main__"}
+    known = set(ALLOWED) | {"integrations", "callbacks", "metrics", "recipes", "__init__", "__main__"}
     assert packages <= known, packages - known
     assert {"records", "sectors", "adapters", "trust", "fix", "projection", "clip", "flat", "tools", "kernels",
             "integrations"} <= packages
